@@ -1,0 +1,35 @@
+# `make serve` and `make test` bootstrap everything they need, once.
+# EXTRA=gpu installs the official CUDA vLLM instead of the CPU build.
+EXTRA ?= cpu
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRA)
+MODEL ?= models/tiny-llama
+CONFIG ?= deployments/configs/local.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install model serve test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[$(EXTRA),dev]'
+	@# PyPI's torchvision/torchaudio/torchcodec break `import transformers`
+	@# next to the CPU torch build; text models do not need them.
+	@if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@touch $(STAMP)
+
+model: $(MODEL)/model.safetensors
+
+$(MODEL)/model.safetensors: $(STAMP)
+	$(VENV)/bin/tokenflow tiny-model $(MODEL)
+
+serve: install model
+	$(VENV)/bin/tokenflow serve $(CONFIG)
+
+test: install model
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) models

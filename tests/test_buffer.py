@@ -1,0 +1,74 @@
+"""The reader-buffer model against hand-computed timelines."""
+
+import math
+
+import pytest
+
+from tokenflow.buffer import ReaderBuffer, effective_throughput, paper_token_weight, token_weight
+
+
+def test_playback_buffer_and_consumption():
+    b = ReaderBuffer(rate=10.0, arrival_time=0.0)
+    b.on_tokens(1.0, 11)  # TTFT 1 s, 11 tokens at once
+    assert b.ttft == 1.0
+    assert b.buffer(1.0) == 11
+    assert b.buffer(1.5) == pytest.approx(6.0)  # 5 read in 0.5 s
+    assert b.consumed(2.0) == pytest.approx(10.0)
+    assert b.stall_time(2.0) == 0.0
+
+
+def test_stall_accumulates_only_while_empty_and_unfinished():
+    b = ReaderBuffer(rate=10.0, arrival_time=0.0)
+    b.on_tokens(0.0)
+    b.on_tokens(1.0)  # reader ran dry at 0.1 s, waited 0.9 s
+    assert b.stall_time(1.0) == pytest.approx(0.9)
+    b.on_finish(1.0)
+    assert b.stall_time(5.0) == pytest.approx(0.9)  # no stall after the end
+
+
+def test_buffer_at_arrival_and_weights():
+    b = ReaderBuffer(rate=1.0, arrival_time=0.0)
+    b.on_tokens(0.0, 20)  # buffers seen: 0..19
+    assert b.buffer_at_arrival == list(range(20))
+    w = b.weights(output_len=100)  # full <= 10, zero >= 20
+    assert w[:11] == [1.0] * 11
+    assert w[15] == pytest.approx(0.5)
+    assert b.effective_tokens(100) == pytest.approx(11 + sum((20 - k) / 10 for k in range(11, 20)))
+
+
+def test_token_weight_shapes():
+    assert token_weight(0, 100) == 1.0
+    assert token_weight(10, 100) == 1.0
+    assert token_weight(15, 100) == pytest.approx(0.5)
+    assert token_weight(20, 100) == 0.0
+    assert paper_token_weight(5, tau=10, alpha=0.1) == 1.0
+    assert paper_token_weight(15, tau=10, alpha=0.1) == pytest.approx(0.5)
+    assert paper_token_weight(30, tau=10, alpha=0.1) == 0.0
+
+
+def test_qoe_on_time_is_one_and_late_is_less():
+    r, n = 10.0, 50
+    on_time = ReaderBuffer(rate=r, arrival_time=0.0)
+    for k in range(n):
+        on_time.on_tokens(1.0 + k / r)
+    assert on_time.qoe(expected_ttft=1.0) == pytest.approx(1.0)
+    late = ReaderBuffer(rate=r, arrival_time=0.0)
+    for k in range(n):
+        late.on_tokens(3.0 + k / r)  # two seconds late throughout
+    q = late.qoe(expected_ttft=1.0)
+    # expected area over [1, 8]: ramp 5 s to 50 then flat 2 s; actual: ramp starts at 3
+    expected = 0.5 * 50 * 5 + 50 * 2
+    actual = 0.5 * 50 * 5
+    assert q == pytest.approx(actual / expected)
+
+
+def test_bad_rates_rejected():
+    for bad in (0, -1, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            ReaderBuffer(rate=bad, arrival_time=0.0)
+
+
+def test_effective_throughput_divides_by_wall_time():
+    b = ReaderBuffer(rate=1.0, arrival_time=0.0)
+    b.on_tokens(0.0, 5)
+    assert effective_throughput([b], 2.0) == pytest.approx(b.effective_tokens() / 2.0)

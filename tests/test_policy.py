@@ -1,0 +1,156 @@
+"""The TokenFlow and Andes policies alone: behaviour with an injected clock,
+and invariants over random populations (hypothesis)."""
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.policy_sim import SimEngine, SimRequest
+from tokenflow.andes import AndesPolicy
+from tokenflow.config import TokenFlowConfig
+from tokenflow.policy import EngineView, Phase, RequestView, TokenFlowPolicy
+
+
+def burst_engine(policy_name="tokenflow", n_old=4, step_rate=50.0):
+    cfg = TokenFlowConfig(policy=policy_name, dt=0.5)
+    policy = TokenFlowPolicy(cfg) if policy_name == "tokenflow" else AndesPolicy(cfg)
+    eng = SimEngine(policy, total_blocks=n_old * 28, max_num_seqs=n_old, step_rate=step_rate)
+    for i in range(n_old):
+        eng.reqs[f"old{i}"] = SimRequest(f"old{i}", 0.0, rate=10.0, prompt=16, max_tokens=400)
+    return eng
+
+
+def test_newcomer_gets_first_token_while_large_buffers_pause():
+    eng = burst_engine()
+    eng.run(until=3.0)  # old requests build ~2 s of buffer at 50 tok/s vs reading 10
+    assert all(r.phase == Phase.RUNNING for r in eng.reqs.values())
+    eng.reqs["new"] = SimRequest("new", eng.now, rate=10.0, prompt=16, max_tokens=400)
+    t_arrive = eng.now
+    eng.run(until=eng.now + 1.0)
+    new = eng.reqs["new"]
+    assert new.reader.ttft is not None and new.reader.ttft <= 0.6  # within about one dt
+    assert eng.pauses >= 1
+    paused = [r for r in eng.reqs.values() if r.phase == Phase.PAUSED]
+    assert paused, "a large-buffer request must have made room"
+    assert min(r.reader.buffer(eng.now) for r in paused) > 0  # they had buffer to spend
+    assert t_arrive < eng.now
+
+
+def test_fcfs_like_engine_makes_newcomer_wait_without_tokenflow():
+    """Control: with pausing disabled (mu huge) the newcomer waits for a slot."""
+    eng = burst_engine()
+    eng.policy.cfg.mu = 1e9
+    eng.run(until=3.0)
+    eng.reqs["new"] = SimRequest("new", eng.now, rate=10.0, prompt=16, max_tokens=400)
+    eng.run(until=eng.now + 1.0)
+    assert eng.reqs["new"].reader.ttft is None
+
+
+def test_paused_requests_resume_before_running_dry():
+    eng = burst_engine(n_old=4)
+    eng.run(until=3.0)
+    for k in range(2):
+        eng.reqs[f"new{k}"] = SimRequest(f"new{k}", eng.now, rate=10.0, prompt=16, max_tokens=400)
+    eng.run(until=eng.now + 12.0)
+    assert eng.pauses >= 2
+    for r in list(eng.reqs.values()) + eng.done:
+        assert r.reader.stall_time(eng.now) == 0.0, r.req_id
+
+
+def test_nothing_starves_in_a_burst():
+    cfg = TokenFlowConfig(dt=0.5)
+    eng = SimEngine(TokenFlowPolicy(cfg), total_blocks=24, max_num_seqs=4, step_rate=100.0)
+    for i in range(12):
+        eng.reqs[f"r{i}"] = SimRequest(f"r{i}", 0.0, rate=15.0, prompt=16, max_tokens=60)
+    eng.run(until=120.0)
+    assert not eng.reqs and len(eng.done) == 12
+    assert eng.max_blocks_used <= 24
+
+
+def test_unstressed_engine_is_left_alone():
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    reqs = [RequestView("a", Phase.RUNNING, 0.0, 10.0, 50.0, 60, 200, 80, 5, True)]
+    eng = EngineView(1.0, 16, 100, 95, 8, step_rate=50.0)
+    assert policy.decide(reqs, eng) is None
+
+
+def test_overload_falls_back_to_fcfs():
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    reqs = [RequestView(f"r{i}", Phase.PAUSED, float(i), 40.0, 10.0, 10, 100, 30, 2, True) for i in range(5)]
+    eng = EngineView(1.0, 16, 100, 50, 8, decode_tps=100.0, step_rate=20.0)
+    d = policy.decide(reqs, eng)
+    assert d.fallback_fcfs and d.run == [f"r{i}" for i in range(5)]
+
+
+# --- invariants -------------------------------------------------------------
+phases = st.sampled_from([Phase.WAITING, Phase.RUNNING, Phase.PAUSED])
+
+
+@st.composite
+def populations(draw):
+    n = draw(st.integers(1, 40))
+    reqs = []
+    for i in range(n):
+        phase = draw(phases)
+        out = 0 if phase == Phase.WAITING and draw(st.booleans()) else draw(st.integers(0, 300))
+        prompt = draw(st.integers(1, 200))
+        reqs.append(RequestView(
+            req_id=f"r{i}", phase=phase, arrival_time=draw(st.floats(0, 100)),
+            rate=draw(st.floats(1, 50)), buffer_tokens=draw(st.floats(0, 300)) if out else 0.0,
+            num_output=out, max_tokens=out + draw(st.integers(1, 300)), num_tokens=prompt + out,
+            blocks=(prompt + out) // 16 + 1,
+            kv_resident=phase == Phase.RUNNING or (phase == Phase.PAUSED and draw(st.booleans())),
+        ))
+    total = draw(st.integers(8, 400))
+    used = sum(r.blocks for r in reqs if r.kv_resident)
+    eng = EngineView(now=100.0, block_size=16, total_blocks=total, free_blocks=max(0, total - used),
+                     max_num_seqs=draw(st.integers(1, 64)),
+                     decode_tps=draw(st.one_of(st.none(), st.floats(100, 10_000))),
+                     step_rate=draw(st.one_of(st.none(), st.floats(1, 200))),
+                     prefill_tps=draw(st.one_of(st.none(), st.floats(100, 10_000))))
+    return reqs, eng
+
+
+@settings(max_examples=300, deadline=None)
+@given(populations(), st.sampled_from(["tokenflow", "andes"]))
+def test_decision_invariants(pop, name):
+    reqs, eng = pop
+    cfg = TokenFlowConfig(policy=name)
+    policy = TokenFlowPolicy(cfg) if name == "tokenflow" else AndesPolicy(cfg)
+    d = policy.decide(reqs, eng)
+    if d is None:
+        return
+    groups = [d.run, d.pause_hold, d.pause_release, d.admit, d.defer]
+    ids = [i for g in groups for i in g]
+    assert sorted(ids) == sorted(r.req_id for r in reqs), "every request gets exactly one fate"
+    by_id = {r.req_id: r for r in reqs}
+    assert all(by_id[i].phase == Phase.WAITING for i in d.admit + d.defer)
+    assert all(by_id[i].phase != Phase.WAITING for i in d.run + d.pause_hold + d.pause_release)
+    assert set(d.reload) <= set(d.run)
+    if d.fallback_fcfs:
+        return
+    on_device = d.run + d.admit
+    assert len(on_device) <= eng.max_num_seqs
+    blocks = sum(by_id[i].blocks for i in on_device)
+    assert blocks <= eng.total_blocks or len(on_device) == 1
+    assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
+    if name == "tokenflow":
+        pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng)]
+        need = sum(r.blocks for r in pinned)
+        if len(pinned) <= eng.max_num_seqs and need <= 0.9 * eng.total_blocks - 2 * len(pinned):
+            assert {r.req_id for r in pinned} <= set(d.run), "a reader about to run dry was paused"
+
+
+def test_decision_time_is_small_at_400():
+    """Sanity bound only; the real figures come from `tokenflow bench-policy`."""
+    import random
+    rng = random.Random(0)
+    reqs = [RequestView(f"r{i}", rng.choice(list(Phase)), rng.random(), 20.0, rng.random() * 100, 50, 200,
+                        100, 7, True) for i in range(400)]
+    eng = EngineView(1.0, 16, 4000, 100, 256, decode_tps=50_000.0, step_rate=50.0, prefill_tps=1e4)
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    t = time.perf_counter()
+    for _ in range(10):
+        policy.decide(reqs, eng)
+    assert (time.perf_counter() - t) / 10 < 0.05

@@ -1,0 +1,123 @@
+"""Run `serve run CONFIG` in the foreground, say when it is really ready, and
+stop it cleanly on Ctrl-C.
+
+Readiness is a real completion answered by an engine, not `/v1/models`
+(which answers well before the engines are up). `serve run` gets SIGINT back
+at its default, since a launcher started from a non-interactive shell
+inherits it ignored and could then never stop gracefully.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+
+def app_settings(config: str) -> dict:
+    """Model name, host and port that a `serve run` YAML will serve."""
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such config: {config}")
+    doc = yaml.safe_load(path.read_text()) or {}
+    http = doc.get("http_options") or {}
+    apps = doc.get("applications") or [{}]
+    args = apps[0].get("args") or {}
+    return {
+        "host": http.get("host", "127.0.0.1"),
+        "port": int(http.get("port", 8000)),
+        "model": args.get("model_id", "tiny-llama"),
+        "route": apps[0].get("route_prefix", "/"),
+    }
+
+
+def probe(base_url: str, model: str, timeout: float = 30.0) -> bool:
+    """True when a one-token completion succeeds."""
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 1}).encode()
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def wait_until_ready(base_url: str, model: str, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        if probe(base_url, model):
+            return True
+        time.sleep(2.0)
+    return False
+
+
+def _restore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(config: str, log=None) -> subprocess.Popen:
+    """Start `serve run CONFIG` in its own process group."""
+    serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
+    if serve_bin is None:
+        raise FileNotFoundError("the `serve` command (ray[serve]) is not installed")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return subprocess.Popen(
+        [serve_bin, "run", config],
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not None else None,
+        start_new_session=True,
+        preexec_fn=_restore_sigint,
+        env=env,
+    )
+
+
+def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGINT the whole group (serve shuts the app and Ray down), then kill."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float = 600.0) -> int:
+    settings = app_settings(config)
+    base = f"http://{settings['host']}:{settings['port']}"
+    proc = start(config)
+    try:
+        if not wait_until_ready(base, settings["model"], timeout, proc):
+            print(f"tokenflow: error: the app did not become ready within {timeout:.0f} s", file=sys.stderr)
+            stop(proc)
+            return 1
+        model = settings["model"]
+        curl = (
+            f"curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{{\"model\": \"{model}\", \"stream\": true, \"consumption_rate\": 20, "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Tell me a story\"}}]}}'"
+        )
+        print(f"\nTokenFlow is ready: {base}/v1  (model: {model})\nTry:\n  {curl}\n", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        stop(proc)
+        return 0

@@ -1,0 +1,270 @@
+"""The vLLM V1 scheduler plugin: a thin adapter between vLLM and the policy.
+
+Enable with engine args
+    scheduler_cls: tokenflow.scheduler.TokenFlowScheduler        # CPU / sync
+    scheduler_cls: tokenflow.scheduler.TokenFlowAsyncScheduler   # GPU, async scheduling
+    additional_config: {tokenflow: {policy: tokenflow, dt: 0.5, ...}}
+
+Every `dt` seconds the adapter snapshots the requests, asks the policy, and
+applies its answer by moving requests between vLLM's queues and its own
+parking lots; between decisions vLLM batches as usual. A pause either keeps
+the request's KV blocks (it just leaves `running`) or releases them (vLLM's
+own preemption; on resume vLLM re-admits it, reloading KV from the offload
+connector or recomputing). Parked requests still count as unfinished and
+are handled on abort.
+
+This module is the only one (with kv_offload/) that touches vLLM internals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from tokenflow.andes import AndesPolicy
+from tokenflow.buffer import ReaderBuffer
+from tokenflow.config import TokenFlowConfig, parse_rate
+from tokenflow.meters import EngineMeters
+from tokenflow.policy import Decision, EngineView, Phase, RequestView, TokenFlowPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    decisions: int = 0  # policy calls that changed something
+    pauses_hold: int = 0
+    pauses_release: int = 0
+    resumes: int = 0
+    fallbacks: int = 0
+    decision_seconds: float = 0.0  # total time inside the policy
+    max_running: int = 0  # most requests ever in `running` (<= max_num_seqs)
+    max_blocks_used: int = 0
+
+
+def make_policy(cfg: TokenFlowConfig):
+    if cfg.policy == "tokenflow":
+        return TokenFlowPolicy(cfg)
+    if cfg.policy == "andes":
+        return AndesPolicy(cfg)
+    return None  # fcfs: vLLM decides alone
+
+
+class TokenFlowMixin:
+    """Buffer-aware preemption on top of a vLLM Scheduler subclass."""
+
+    clock = staticmethod(time.monotonic)  # tests inject a fake clock
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self.vllm_config.additional_config or {}
+        self.tf_config = TokenFlowConfig.from_dict(extra.get("tokenflow"))
+        self.policy = make_policy(self.tf_config)
+        self.readers: dict[str, ReaderBuffer] = {}
+        self.held: dict[str, Request] = {}  # paused, KV kept
+        self.released: dict[str, Request] = {}  # paused, KV freed
+        self.meters = EngineMeters.new()
+        self.tf_stats = SchedulerStats()
+        self._next_decision = 0.0
+        self._step_started: float | None = None
+        self._seen_output: dict[str, int] = {}
+        logger.info("TokenFlow scheduler: %s", self.tf_config)
+
+    # --- vLLM hooks -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        value = (extra or {}).get("consumption_rate")
+        try:
+            rate = parse_rate(value, self.tf_config)
+        except ValueError:
+            # The HTTP layer rejects bad rates with a 400; a direct engine
+            # user gets the default rather than a dead engine.
+            logger.warning("request %s: bad consumption_rate %r, using default", request.request_id, value)
+            rate = self.tf_config.default_rate
+        self.readers[request.request_id] = ReaderBuffer(rate=rate, arrival_time=self.clock())
+        self._seen_output[request.request_id] = 0
+
+    def schedule(self, *args, **kwargs):
+        now = self.clock()
+        if self.policy is not None and now >= self._next_decision:
+            self._next_decision = now + self.tf_config.dt
+            self._reschedule(now)
+        self._step_started = now
+        out = super().schedule(*args, **kwargs)
+        self.tf_stats.max_running = max(self.tf_stats.max_running, len(self.running))
+        used = self.kv_cache_config.num_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.tf_stats.max_blocks_used = max(self.tf_stats.max_blocks_used, used)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        now = self.clock()
+        self._measure_step(scheduler_output, now)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self._observe(req_id, now)
+        return result
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus):
+        # Put parked requests back where vLLM expects them, then let vLLM
+        # finish them as usual (it frees blocks and reports the abort).
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or self.requests)
+        for req_id in ids:
+            if (req := self.held.pop(req_id, None)) is not None:
+                self.running.append(req)
+            elif (req := self.released.pop(req_id, None)) is not None:
+                self.waiting.prepend_request(req)
+        done = super().finish_requests(ids, finished_status)
+        for req in done:
+            self._forget(req.request_id)
+        return done
+
+    def get_request_counts(self) -> tuple[int, int]:
+        # Parked requests are unfinished: count them as waiting, or the
+        # engine loop would go idle with paused work outstanding.
+        running, waiting = super().get_request_counts()
+        return running, waiting + len(self.held) + len(self.released)
+
+    # --- bookkeeping ------------------------------------------------------
+    def _observe(self, req_id: str, now: float) -> None:
+        reader = self.readers.get(req_id)
+        if reader is None:
+            return
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished():
+            self._forget(req_id)
+            return
+        n = req.num_output_tokens
+        new = n - self._seen_output[req_id]
+        if new > 0:
+            reader.on_tokens(now, new)
+            self._seen_output[req_id] = n
+
+    def _forget(self, req_id: str) -> None:
+        self.readers.pop(req_id, None)
+        self._seen_output.pop(req_id, None)
+        self.held.pop(req_id, None)
+        self.released.pop(req_id, None)
+
+    def _measure_step(self, scheduler_output, now: float) -> None:
+        if self._step_started is None:
+            return
+        counts = scheduler_output.num_scheduled_tokens.values()
+        decode = sum(1 for n in counts if n == 1)
+        prefill = sum(n for n in counts if n > 1)
+        self.meters.on_step(now - self._step_started, decode, prefill)
+
+    # --- the decision -----------------------------------------------------
+    def _view(self, req: Request, phase: Phase, now: float, resident: bool) -> RequestView:
+        reader = self.readers[req.request_id]
+        return RequestView(
+            req_id=req.request_id,
+            phase=phase,
+            arrival_time=reader.arrival_time,
+            rate=reader.rate,
+            buffer_tokens=reader.buffer(now),
+            num_output=req.num_output_tokens,
+            max_tokens=req.max_tokens,
+            num_tokens=req.num_tokens,
+            blocks=math.ceil((req.num_tokens + 1) / self.block_size),
+            kv_resident=resident,
+        )
+
+    def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
+        views = []
+        for req in self.running:
+            if req.request_id in self.readers:
+                views.append(self._view(req, Phase.RUNNING, now, True))
+        for req in self.held.values():
+            views.append(self._view(req, Phase.PAUSED, now, True))
+        for req in self.released.values():
+            views.append(self._view(req, Phase.PAUSED, now, False))
+        for req in self.waiting:
+            if req.request_id in self.readers and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                views.append(self._view(req, Phase.WAITING, now, False))
+        m = self.meters
+        eng = EngineView(
+            now=now,
+            block_size=self.block_size,
+            total_blocks=self.kv_cache_config.num_blocks,
+            free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            max_num_seqs=self.max_num_running_reqs,
+            decode_tps=m.peak_decode_tps or None,
+            step_rate=m.step_rate.value,
+            prefill_tps=m.prefill_tps.value,
+            transfer_tps=self._transfer_tps(),
+        )
+        return views, eng
+
+    def _transfer_tps(self) -> float | None:
+        """Host<->device KV speed in tokens/s, when an offload tier is present."""
+        meter = getattr(self.connector, "tokenflow_transfer_tps", None) if self.connector else None
+        return meter() if callable(meter) else None
+
+    def _reschedule(self, now: float) -> None:
+        views, eng = self.snapshot(now)
+        if not views:
+            return
+        t0 = time.perf_counter()
+        decision = self.policy.decide(views, eng)
+        self.tf_stats.decision_seconds += time.perf_counter() - t0
+        if decision is not None:
+            self.tf_stats.decisions += 1
+            self.tf_stats.fallbacks += decision.fallback_fcfs
+            self._apply(decision, now)
+
+    def _apply(self, d: Decision, now: float) -> None:
+        by_id = {r.request_id: r for r in self.running}
+        stamp = time.monotonic()
+        for req_id in d.pause_hold:
+            req = by_id.get(req_id)
+            if req is not None and self._pausable(req):
+                self.running.remove(req)
+                self.held[req_id] = req
+                self.tf_stats.pauses_hold += 1
+        for req_id in d.pause_release:
+            req = by_id.get(req_id) or self.held.pop(req_id, None)
+            if req is None or not self._pausable(req):
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            self._preempt_request(req, stamp)  # frees blocks, queues in `waiting`
+            self.waiting.remove_request(req)
+            self.released[req_id] = req
+            self.tf_stats.pauses_release += 1
+        self._resume(d.run)
+
+    def _pausable(self, req: Request) -> bool:
+        # With async scheduling a step may still be in flight for it.
+        return req.status == RequestStatus.RUNNING and req.num_output_placeholders == 0
+
+    def _resume(self, run_order: list[str]) -> None:
+        order = {req_id: i for i, req_id in enumerate(run_order)}
+        to_queue = []
+        for req_id in run_order:
+            if req_id in self.held and len(self.running) < self.max_num_running_reqs:
+                self.running.append(self.held.pop(req_id))
+                self.tf_stats.resumes += 1
+            elif req_id in self.released:
+                to_queue.append(self.released.pop(req_id))
+                self.tf_stats.resumes += 1
+        # vLLM re-admits the released ones first, highest priority first.
+        for req in reversed(to_queue):
+            self.waiting.prepend_request(req)
+        # vLLM preempts from the tail of `running` when blocks run out, so
+        # keep the policy's order: its lowest priority goes first.
+        self.running.sort(key=lambda r: order.get(r.request_id, -1))
+
+
+class TokenFlowScheduler(TokenFlowMixin, Scheduler):
+    """For synchronous scheduling (the CPU backend forces it)."""
+
+
+class TokenFlowAsyncScheduler(TokenFlowMixin, AsyncScheduler):
+    """For async scheduling (vLLM's default on GPU)."""
