@@ -1,6 +1,7 @@
 """The TokenFlow and Andes policies alone: behaviour with an injected clock,
 and invariants over random populations (hypothesis)."""
 
+import math
 import time
 
 from hypothesis import given, settings
@@ -137,8 +138,10 @@ def test_decision_invariants(pop, name):
     assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
     if name == "tokenflow":
         pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng)]
-        need = sum(r.blocks for r in pinned)
-        if len(pinned) <= eng.max_num_seqs and need <= 0.9 * eng.total_blocks - 2 * len(pinned):
+        grow = math.ceil((eng.step_rate or 1.0) * cfg.dt / eng.block_size)
+        need = sum(r.blocks + grow for r in pinned)
+        budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
+        if len(pinned) <= eng.max_num_seqs and need <= budget:
             assert {r.req_id for r in pinned} <= set(d.run), "a reader about to run dry was paused"
 
 

@@ -20,6 +20,13 @@ def _cmd_serve(args) -> int:
     return serve(args.config, host=args.host, port=args.port, timeout=args.timeout)
 
 
+def _cmd_bench_policy(args) -> int:
+    from tokenflow.bench_policy import main as bench
+
+    bench(sizes=args.sizes, repeats=args.repeats)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenflow", description="TokenFlow: buffer-aware LLM streaming serving")
     sub = p.add_subparsers(dest="command", required=True)
@@ -36,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the engines")
     s.set_defaults(func=_cmd_serve)
+    b = sub.add_parser("bench-policy", help="time one policy decision at several population sizes")
+    b.add_argument("--sizes", type=int, nargs="+", default=[100, 400, 1000])
+    b.add_argument("--repeats", type=int, default=500)
+    b.set_defaults(func=_cmd_bench_policy)
     return p
 
 

@@ -29,9 +29,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 
 from tokenflow.buffer import EFFECTIVE_HIGH_FRACTION
 from tokenflow.config import TokenFlowConfig
+
+
+# Keys of pinned requests sit this far below any priority, so they sort first.
+PINNED = 1e12
 
 
 class Phase(str, Enum):
@@ -84,15 +89,6 @@ class Decision:
     fallback_fcfs: bool = False
 
 
-def is_stressed(reqs: list[RequestView], cfg: TokenFlowConfig) -> bool:
-    for r in reqs:
-        if r.phase in (Phase.WAITING, Phase.PAUSED):
-            return True
-        if r.num_output > 0 and r.buffer_s < cfg.critical_buffer_s:
-            return True
-    return False
-
-
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
     """Everyone runs or is admitted in arrival order; vLLM packs memory."""
     d = Decision(fallback_fcfs=True)
@@ -108,37 +104,45 @@ class TokenFlowPolicy:
     def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
         """None means: no stress, leave vLLM's batch as it is."""
         cfg = self.cfg
-        if not is_stressed(reqs, cfg):
+        # One pass for the stress check, the required rates and the counts:
+        # this runs every dt over every live request.
+        waiting, active = [], []
+        stressed, required, n_running, blocks_sum = False, 0.0, 0, 0
+        for r in reqs:
+            blocks_sum += r.blocks
+            if r.phase is Phase.WAITING:
+                waiting.append(r)
+                stressed = True
+                continue
+            active.append(r)
+            required += r.rate
+            if r.phase is Phase.RUNNING:
+                n_running += 1
+                if r.num_output and r.buffer_tokens < cfg.critical_buffer_s * r.rate:
+                    stressed = True
+            else:
+                stressed = True
+        if not stressed:
             return None
-        active = [r for r in reqs if r.phase != Phase.WAITING]
-        required = sum(r.rate for r in active)
         if eng.decode_tps and required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
 
-        waiting = sorted((r for r in reqs if r.phase == Phase.WAITING), key=lambda r: r.arrival_time)
-        room = self.working_set_room(reqs, eng)
-        admitted = waiting[:room]  # the rest stay deferred
-        candidates = active + admitted
-
-        pinned = [r for r in candidates if self.must_run(r, eng)]
-        pinned.sort(key=lambda r: r.buffer_s)
-        pinned_ids = {r.req_id for r in pinned}
-        rest = [r for r in candidates if r.req_id not in pinned_ids]
-        rest.sort(key=lambda r: self.priority(r, eng), reverse=True)
-
-        chosen = self.pack(pinned + rest, eng)
+        waiting.sort(key=attrgetter("arrival_time"))
+        room = self.working_set_room(n_running, len(active), blocks_sum / len(reqs), eng)
+        candidates = active + waiting[:room]  # the rest stay deferred
+        key = self.rank_key_fn(eng)
+        keys = [key(r) for r in candidates]
+        order = sorted(range(len(candidates)), key=keys.__getitem__)
+        chosen = self.pack([candidates[i] for i in order], eng)
         return self.to_decision(reqs, chosen, eng)
 
     # --- pieces -----------------------------------------------------------
-    def working_set_room(self, reqs: list[RequestView], eng: EngineView) -> int:
+    def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:
         """How many waiting requests may join the working set now (step 3)."""
         cfg = self.cfg
-        n_running = sum(r.phase == Phase.RUNNING for r in reqs)
-        n_current = sum(r.phase != Phase.WAITING for r in reqs)
         # beta: the mean footprint of the requests we hold now, plus what one
         # interval of decoding adds to it.
-        grow = (eng.step_rate or 1.0) * cfg.dt / eng.block_size
-        beta = max(1.0, sum(r.blocks for r in reqs) / len(reqs) + grow)
+        beta = max(1.0, mean_blocks + (eng.step_rate or 1.0) * cfg.dt / eng.block_size)
         # The working set may exceed device memory: the excess lives in the
         # host pool, or (without offload) is recomputed on resume.
         if eng.transfer_tps:
@@ -146,71 +150,90 @@ class TokenFlowPolicy:
         else:
             memory = eng.total_blocks * (1 + cfg.recompute_overcommit)
         w_static = max(1, math.floor(memory / beta))
-        w_max = eng.max_num_seqs
         w_sched = w_static
-        if n_running < w_max:
+        if n_running < eng.max_num_seqs:
             w_sched = w_static - cfg.working_set_lambda * (w_static - n_running)
         # Never fewer than one newcomer when nothing runs, or the engine idles.
         return max(0 if n_running else 1, math.floor(w_sched) - n_current)
 
-    def away_time(self, r: RequestView, eng: EngineView) -> float:
-        """How long a request is gone if paused now: evict + load + one interval."""
-        tokens = r.num_tokens
+    def rank_key_fn(self, eng: EngineView):
+        """Sort key (ascending): pinned requests first, lowest buffer first
+        (step 4); then the rest by priority U, highest first (step 5)."""
+        cfg = self.cfg
+        dt, mu, gamma, crit = cfg.dt, cfg.mu, cfg.gamma, cfg.critical_buffer_s
+        speed_dt = (eng.step_rate or 1.0 / dt) * dt
+        # Seconds per context token to evict and reload (or to recompute).
         if eng.transfer_tps:
-            io = 2 * tokens / eng.transfer_tps
+            io_per_token = 2.0 / eng.transfer_tps
         else:
-            io = tokens / eng.prefill_tps if eng.prefill_tps else 0.0
-        return io + self.cfg.dt
+            io_per_token = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+        exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
+
+        def key(r: RequestView) -> float:
+            rate, b = r.rate, r.buffer_tokens
+            if r.phase is running:
+                # Mid-prefill requests never pause: the work done would be lost.
+                if not r.num_output or b < mu * rate * (r.num_tokens * io_per_token + dt):
+                    return b / rate - PINNED
+            elif r.phase is paused and b < crit * rate:
+                return b / rate - PINNED
+            useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * dt))
+            return -(useful + gamma * exp(-b / rate))
+
+        return key
 
     def must_run(self, r: RequestView, eng: EngineView) -> bool:
-        if r.phase == Phase.RUNNING:
-            if r.num_output == 0:
-                return True  # mid-prefill: pausing would waste the work done
-            return r.buffer_tokens < self.cfg.mu * r.rate * self.away_time(r, eng)
-        if r.phase == Phase.PAUSED:
-            return r.buffer_s < self.cfg.critical_buffer_s
-        return False
+        return self.rank_key_fn(eng)(r) < -PINNED / 2
 
     def priority(self, r: RequestView, eng: EngineView) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
-        dt = self.cfg.dt
-        speed = eng.step_rate or 1.0 / dt
-        useful_cap = EFFECTIVE_HIGH_FRACTION * r.max_tokens
-        useful = min(speed * dt, max(0.0, useful_cap - r.buffer_tokens + r.rate * dt))
-        return useful + self.cfg.gamma * math.exp(-r.buffer_s)
+        return -self.rank_key_fn(eng)(r) if not self.must_run(r, eng) else math.inf
 
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
         """Take requests in order while sequence slots and KV blocks last."""
         budget = eng.total_blocks - math.ceil(self.cfg.kv_headroom * eng.total_blocks)
         grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
+        slots, waiting = eng.max_num_seqs, Phase.WAITING
         chosen, used = [], 0
         for r in ordered:
-            if len(chosen) >= eng.max_num_seqs:
-                break
-            need = r.blocks + (grow if r.phase != Phase.WAITING else 0)
+            need = r.blocks if r.phase is waiting else r.blocks + grow
             if used + need > budget and chosen:
                 continue
             chosen.append(r)
             used += need
+            if len(chosen) >= slots:
+                break
         return chosen
 
     def to_decision(self, reqs, chosen, eng: EngineView) -> Decision:
         d = Decision()
-        chosen_ids = {r.req_id for r in chosen}
+        waiting = Phase.WAITING
+        need = 0  # blocks the chosen must still get on the device
         for r in chosen:  # in priority order: vLLM preempts from the tail
-            if r.phase == Phase.WAITING:
+            if r.phase is waiting:
                 d.admit.append(r.req_id)
+                need += r.blocks
                 continue
             d.run.append(r.req_id)
-            if r.phase == Phase.PAUSED and not r.kv_resident and self.reload_beats_recompute(r, eng):
-                d.reload.append(r.req_id)
-        d.defer = [r.req_id for r in reqs if r.phase == Phase.WAITING and r.req_id not in chosen_ids]
-        # Unchosen resident requests: free KV only as far as the chosen need it,
-        # largest buffers first; the rest pause holding their blocks.
-        losers = [r for r in reqs if r.req_id not in chosen_ids and r.phase != Phase.WAITING]
-        need = sum(r.blocks for r in chosen if not r.kv_resident)
+            if not r.kv_resident:
+                need += r.blocks
+                if self.reload_beats_recompute(r, eng):
+                    d.reload.append(r.req_id)
+        chosen_ids = set(d.run)
+        chosen_ids.update(d.admit)
+        losers = []
+        for r in reqs:
+            if r.req_id in chosen_ids:
+                continue
+            if r.phase is waiting:
+                d.defer.append(r.req_id)
+            else:
+                losers.append(r)
+        # Unchosen resident requests free KV only as far as the chosen need
+        # it, largest buffers first; the rest pause holding their blocks.
         free = eng.free_blocks
-        for r in sorted(losers, key=lambda r: r.buffer_tokens, reverse=True):
+        losers.sort(key=attrgetter("buffer_tokens"), reverse=True)
+        for r in losers:
             if not r.kv_resident:
                 d.pause_release.append(r.req_id)  # already released: stays so
             elif free < need:
