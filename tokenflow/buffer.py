@@ -182,6 +182,16 @@ def _playback_area(arrivals: list[float], rate: float, t0: float, end: float) ->
     return area
 
 
+def buffer_at(arrivals: list[float], rate: float, t: float) -> float:
+    """Buffer level at time t of a reader who got tokens at `arrivals`."""
+    r = ReaderBuffer(rate=rate, arrival_time=arrivals[0] if arrivals else 0.0)
+    for a in arrivals:
+        if a > t:
+            break
+        r.on_tokens(a)
+    return r.buffer(t)
+
+
 def effective_throughput(buffers: list[ReaderBuffer], wall_time: float) -> float:
     """Sum of token weights over all requests divided by wall time."""
     if wall_time <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -27,6 +28,39 @@ def _cmd_bench_policy(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    import json
+
+    from tokenflow.bench import EngineSettings, Workload, run_bench
+
+    wl = Workload(kind=args.workload, requests=args.requests, poisson_rate=args.poisson_rate,
+                  rates=args.rates, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                  seed=args.seed)
+    wl.arrivals()  # validates the kind before any engine starts
+    eng = EngineSettings(model=args.model, kv_cache_memory_bytes=args.kv_bytes or None,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         block_size=args.block_size or None, extra=json.loads(args.engine_args),
+                         tokenflow=json.loads(args.tokenflow))
+    summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots)
+    print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
+    print(f"wrote {args.out}/summary.json")
+    return 0
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenflow", description="TokenFlow: buffer-aware LLM streaming serving")
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", type=int, nargs="+", default=[100, 400, 1000])
     b.add_argument("--repeats", type=int, default=500)
     b.set_defaults(func=_cmd_bench_policy)
+    c = sub.add_parser("bench", help="same workload under fcfs, andes and tokenflow, side by side")
+    c.add_argument("--out", default="out/bench")
+    c.add_argument("--schedulers", nargs="+", default=["fcfs", "andes", "tokenflow"],
+                   choices=["fcfs", "andes", "tokenflow"])
+    c.add_argument("--workload", choices=["burst", "poisson"], default="burst")
+    c.add_argument("--requests", type=_positive_int, default=64)
+    c.add_argument("--poisson-rate", type=_positive_float, default=8.0, help="requests/s for --workload poisson")
+    c.add_argument("--rates", type=_positive_float, nargs="+", default=[10.0, 20.0, 40.0],
+                   help="reading rates (tokens/s) drawn per request")
+    c.add_argument("--prompt-tokens", type=_positive_int, default=64)
+    c.add_argument("--output-tokens", type=_positive_int, default=256)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--model", default="models/tiny-llama")
+    c.add_argument("--kv-bytes", type=int, default=8 << 20, help="KV pool bytes (0: vLLM's default)")
+    c.add_argument("--max-num-seqs", type=_positive_int, default=32)
+    c.add_argument("--max-model-len", type=_positive_int, default=1024)
+    c.add_argument("--block-size", type=int, default=32, help="0: vLLM's default")
+    c.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine args")
+    c.add_argument("--tokenflow", default="{}", help="JSON of TokenFlowConfig overrides")
+    c.add_argument("--no-plots", action="store_true")
+    c.set_defaults(func=_cmd_bench)
     return p
 
 
@@ -54,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
         print(f"tokenflow: error: {e}", file=sys.stderr)
         return 2
 

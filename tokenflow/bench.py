@@ -1,0 +1,190 @@
+"""`tokenflow bench`: one workload, each scheduler in turn, side by side.
+
+Tokens are timed inside the process that steps the engine (vLLM's LLMEngine
+in-process, no HTTP, no IPC): on a 2-core machine the Serve path adds
+seconds of client-side noise, so this is where the comparison is cleanest.
+The summary says so in `workload.timing`. Every figure comes from the same
+buffer model the server and the load test use (tokenflow/buffer.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tokenflow.buffer import ReaderBuffer
+
+SCHEDULERS = ("fcfs", "andes", "tokenflow")
+TF_CLASS = "tokenflow.scheduler.TokenFlowScheduler"
+
+
+@dataclass
+class Workload:
+    kind: str = "burst"  # burst | poisson
+    requests: int = 64
+    poisson_rate: float = 8.0  # requests/s when kind == poisson
+    rates: list[float] = field(default_factory=lambda: [10.0, 20.0, 40.0])  # reading rates, drawn uniformly
+    prompt_tokens: int = 64
+    output_tokens: int = 256
+    seed: int = 0
+
+    def arrivals(self) -> list[float]:
+        if self.kind == "burst":
+            return [0.0] * self.requests
+        if self.kind == "poisson":
+            rng, t, out = random.Random(self.seed), 0.0, []
+            for _ in range(self.requests):
+                out.append(t)
+                t += rng.expovariate(self.poisson_rate)
+            return out
+        raise ValueError(f"unknown workload kind {self.kind!r} (burst or poisson)")
+
+    def reading_rates(self) -> list[float]:
+        rng = random.Random(self.seed + 1)
+        return [rng.choice(self.rates) for _ in range(self.requests)]
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(self.seed + 2)
+        return [[rng.randrange(10, 1000) for _ in range(self.prompt_tokens)] for _ in range(self.requests)]
+
+
+@dataclass
+class EngineSettings:
+    model: str = "models/tiny-llama"
+    kv_cache_memory_bytes: int | None = 8 << 20  # small: the default burst does not fit
+    max_num_seqs: int = 32
+    max_model_len: int = 1024
+    block_size: int | None = 32
+    extra: dict = field(default_factory=dict)  # any other vLLM engine args
+    tokenflow: dict = field(default_factory=dict)  # TokenFlowConfig overrides
+
+    def engine_kwargs(self, scheduler: str) -> dict:
+        kw = dict(model=self.model, enforce_eager=True, seed=0, max_num_seqs=self.max_num_seqs,
+                  max_model_len=self.max_model_len, disable_log_stats=True)
+        if self.kv_cache_memory_bytes:
+            kw["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.block_size:
+            kw["block_size"] = self.block_size
+        kw.update(self.extra)
+        if scheduler != "fcfs":
+            kw["scheduler_cls"] = TF_CLASS
+            kw["additional_config"] = {"tokenflow": {**self.tokenflow, "policy": scheduler}}
+        return kw
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict]]:
+    """Drive one engine through the workload; returns readers, wall time, records."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = LLM(**eng.engine_kwargs(scheduler))
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+
+    arrivals, rates, prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
+    readers: dict[str, ReaderBuffer] = {}
+    finished: set[str] = set()
+    t0 = time.monotonic()
+    nxt = 0
+    while len(finished) < wl.requests:
+        now = time.monotonic() - t0
+        while nxt < wl.requests and arrivals[nxt] <= now:
+            rid = f"req-{nxt}"
+            sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA,
+                                extra_args={"consumption_rate": rates[nxt]})
+            readers[rid] = ReaderBuffer(rate=rates[nxt], arrival_time=max(arrivals[nxt], 0.0))
+            engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < wl.requests else 0.0)
+            continue
+        outs = engine.step()
+        now = time.monotonic() - t0
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            readers[o.request_id].on_tokens(now, n)
+            if o.finished:
+                readers[o.request_id].on_finish(now)
+                finished.add(o.request_id)
+    wall = time.monotonic() - t0
+    del llm, engine
+    gc.collect()
+    records = [
+        {"id": rid, "rate": r.rate, "arrival_s": r.arrival_time, "ttft_s": r.ttft, "tokens": r.delivered,
+         "stall_s": r.stall_time(wall), "effective_tokens": r.effective_tokens(), "qoe": r.qoe(),
+         "arrivals_s": r.arrivals}
+        for rid, r in readers.items()
+    ]
+    return list(readers.values()), wall, records
+
+
+def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
+    done = [r for r in readers if r.finished and r.delivered == expected]
+    ttfts = [r.ttft for r in readers if r.ttft is not None]
+    tbts = [x for r in readers for x in r.tbts()]
+    tokens = sum(r.delivered for r in readers)
+    return {
+        "completed": len(done),
+        "failed": len(readers) - len(done),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "tbt_p99_s": percentile(tbts, 0.99),
+        "stall_s_mean": statistics.fmean(r.stall_time(wall) for r in readers),
+        "throughput_tps": tokens / wall,
+        "effective_throughput_tps": sum(r.effective_tokens() for r in readers) / wall,
+        "qoe_mean": statistics.fmean(r.qoe() for r in readers),
+        "wall_s": wall,
+    }
+
+
+def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results, all_records = {}, {}
+    for name in schedulers:
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
+        readers, wall, records = run_one(name, wl, eng)
+        results[name] = summarize(readers, wall, wl.output_tokens)
+        all_records[name] = records
+        with open(out / f"requests-{name}.jsonl", "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        print(json.dumps({"scheduler": name, **results[name]}), flush=True)
+    summary = {
+        "workload": {**asdict(wl), "engine": asdict(eng),
+                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)"},
+        "results": results,
+    }
+    if "fcfs" in results and "tokenflow" in results:
+        f, t = results["fcfs"], results["tokenflow"]
+        summary["ratios_tokenflow_vs_fcfs"] = {
+            "ttft_p99": t["ttft_p99_s"] / f["ttft_p99_s"] if f["ttft_p99_s"] else None,
+            "effective_throughput": t["effective_throughput_tps"] / f["effective_throughput_tps"]
+            if f["effective_throughput_tps"] else None,
+            "throughput": t["throughput_tps"] / f["throughput_tps"] if f["throughput_tps"] else None,
+        }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if plots:
+        from tokenflow.bench_plots import write_plots
+
+        write_plots(out, all_records, wl)
+    return summary
