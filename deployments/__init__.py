@@ -1,0 +1,1 @@
+"""Ray Serve deployments for TokenFlow (see deployments/app.py)."""

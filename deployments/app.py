@@ -1,0 +1,223 @@
+"""The TokenFlow Ray Serve application: an OpenAI-compatible API on vLLM.
+
+    serve run deployments/configs/local.yaml          # CPU, tiny model
+    serve run deployments.app:build_app model_path=... # args as key=value
+
+Built on `ray.serve.llm` (OpenAI ingress -> N x TokenFlowLLMServer replicas,
+one vLLM engine each). Args (all optional, unknown keys are an error so a
+typo never silently falls back to a default):
+
+  model_id             name clients send as "model" (default "tiny-llama")
+  model_path           local model dir; relative paths are taken from the repo root
+  accelerator          "cpu" (default) or "gpu"
+  accelerator_type     e.g. "H100" (GPU only; pins replicas to that GPU type)
+  num_replicas         engine replicas (default 1); or give autoscaling_config
+  autoscaling_config   Ray Serve autoscaling for the engine deployment
+  ingress_replicas     OpenAI ingress replicas (default 1)
+  replica_num_cpus     CPUs reserved for each replica actor (cpu default 0)
+  ingress_num_cpus     CPUs reserved for each ingress actor (cpu default 0)
+  placement_group_config  engine resources (cpu default {bundles: [{CPU: 1}]})
+  engine_kwargs        passed straight to vLLM (AsyncEngineArgs field names);
+                       if absent on cpu: eager, 2048 context, 64 MiB KV
+  tokenflow            TokenFlowConfig knobs; merged into
+                       engine_kwargs.additional_config.tokenflow
+  env                  extra env vars for replicas and their engine processes
+  deployment_config    extra Ray Serve options for the engine deployment
+                       (e.g. request_router_config, max_ongoing_requests)
+  experimental_configs Ray Serve LLM extras (e.g. stream_batching_interval_ms)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+from tokenflow.config import TokenFlowConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+DEFAULTS = {
+    "model_id": "tiny-llama",
+    "model_path": "models/tiny-llama",
+    "accelerator": "cpu",
+    "accelerator_type": None,
+    "num_replicas": 1,
+    "autoscaling_config": None,
+    "ingress_replicas": 1,
+    "replica_num_cpus": None,
+    "ingress_num_cpus": None,
+    "placement_group_config": None,
+    "engine_kwargs": {},
+    "tokenflow": None,
+    "env": {},
+    "deployment_config": {},
+    "experimental_configs": {},
+}
+
+# Per-accelerator defaults. On CPU everything but the engine itself asks for
+# 0 CPUs: Ray's defaults (1 CPU per replica actor on top of its engine's
+# bundle, 1 more for the ingress) leave a second replica pending forever on a
+# 2-core machine, with no error. VLLM_CPU_OMP_THREADS_BIND=nobind stops two
+# engines from pinning their OpenMP threads onto the same cores.
+# VLLM_CPU_KVCACHE_SPACE is deliberately not set: when present it overrides
+# engine_kwargs.kv_cache_memory_bytes (and only in whole GiB).
+ACCELERATOR_DEFAULTS = {
+    "cpu": {
+        "replica_num_cpus": 0,
+        "ingress_num_cpus": 0,
+        "placement_group_config": {"bundles": [{"CPU": 1}]},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        # Used only when args give no engine_kwargs at all. Without an explicit
+        # KV size vLLM's CPU backend reserves gpu_memory_utilization (0.92) of
+        # the NUMA node's RAM and refuses to start when that much is not free.
+        "engine_kwargs": {"enforce_eager": True, "max_model_len": 2048,
+                          "kv_cache_memory_bytes": 64 * 2**20},
+    },
+    # GPU: Ray Serve LLM's own defaults ({GPU: 1} per TP x PP worker, 1 CPU
+    # for the replica actor) are right.
+    "gpu": {"replica_num_cpus": None, "ingress_num_cpus": None,
+            "placement_group_config": None, "env": {}},
+}
+
+
+def resolve_args(args: dict | None) -> dict:
+    """Fill defaults, reject unknown keys, validate the tokenflow block."""
+    args = dict(args or {})
+    unknown = set(args) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown app args: {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    accel = args.get("accelerator", DEFAULTS["accelerator"])
+    if accel not in ACCELERATOR_DEFAULTS:
+        raise ValueError(f"accelerator must be one of {sorted(ACCELERATOR_DEFAULTS)}, got {accel!r}")
+    out = copy.deepcopy(DEFAULTS)
+    for key, value in ACCELERATOR_DEFAULTS[accel].items():
+        out[key] = copy.deepcopy(value)
+    for key, value in args.items():
+        if key == "env":  # extend, not replace, the accelerator's env vars
+            out["env"].update(value or {})
+        elif key == "engine_kwargs":  # given: passed through as is, no defaults mixed in
+            out[key] = dict(value or {})
+        elif value is not None:
+            out[key] = value
+    # `serve run deployments.app:build_app num_replicas=2` passes strings.
+    for key, kind in (("num_replicas", int), ("ingress_replicas", int),
+                      ("replica_num_cpus", float), ("ingress_num_cpus", float)):
+        if out[key] is not None:
+            out[key] = kind(out[key])
+    out["engine_kwargs"] = merge_tokenflow_config(out["engine_kwargs"], out["tokenflow"])
+    return out
+
+
+def merge_tokenflow_config(engine_kwargs: dict, tokenflow: dict | None) -> dict:
+    """Put the `tokenflow` block where the scheduler (inside the EngineCore
+    process) and the replica both read it: additional_config.tokenflow."""
+    engine_kwargs = copy.deepcopy(engine_kwargs or {})
+    additional = dict(engine_kwargs.get("additional_config") or {})
+    if tokenflow is not None:
+        if "tokenflow" in additional and additional["tokenflow"] != tokenflow:
+            raise ValueError("tokenflow config given both as args.tokenflow and "
+                             "engine_kwargs.additional_config.tokenflow; keep one")
+        additional["tokenflow"] = tokenflow
+    # Validate now (typos, bad values) rather than minutes later in an engine.
+    TokenFlowConfig.from_dict(additional.get("tokenflow"))
+    if additional:
+        engine_kwargs["additional_config"] = additional
+    return engine_kwargs
+
+
+def resolve_model_path(path: str) -> str:
+    # Replicas and the app builder do not necessarily run in the directory
+    # `serve run` was started from, so make relative paths absolute here.
+    p = Path(path).expanduser()
+    if not p.is_absolute() and (REPO_ROOT / p).exists():
+        p = REPO_ROOT / p
+    return str(p.resolve()) if p.exists() else path  # else: maybe a HF model id
+
+
+def build_llm_config(args: dict | None):
+    from ray.serve.llm import LLMConfig
+
+    a = resolve_args(args)
+    deployment_config = copy.deepcopy(a["deployment_config"])
+    if a["autoscaling_config"] is not None:
+        deployment_config["autoscaling_config"] = a["autoscaling_config"]
+    else:
+        deployment_config["num_replicas"] = a["num_replicas"]
+    if a["replica_num_cpus"] is not None:
+        deployment_config.setdefault("ray_actor_options", {})["num_cpus"] = a["replica_num_cpus"]
+
+    kwargs = dict(
+        model_loading_config={"model_id": a["model_id"],
+                              "model_source": resolve_model_path(a["model_path"])},
+        engine_kwargs=a["engine_kwargs"],
+        accelerator_config={"kind": a["accelerator"]},
+        deployment_config=deployment_config,
+        experimental_configs=a["experimental_configs"],
+        # Dotted path, so the replica process imports it itself.
+        server_cls="deployments.server:TokenFlowLLMServer",
+    )
+    if a["placement_group_config"] is not None:
+        kwargs["placement_group_config"] = a["placement_group_config"]
+    if a["accelerator_type"] is not None:
+        kwargs["accelerator_type"] = a["accelerator_type"]
+    if a["env"]:
+        kwargs["runtime_env"] = {"env_vars": {k: str(v) for k, v in a["env"].items()}}
+    return LLMConfig(**kwargs), a
+
+
+def build_app(args: dict | None = None):
+    """Application builder for `serve run deployments.app:build_app` / YAML."""
+    from ray.serve.llm import build_openai_app
+
+    if os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1":
+        # That mode serves vLLM's own ASGI app from the replica and bypasses
+        # TokenFlowLLMServer.chat/completions, so consumption_rate would be lost.
+        raise RuntimeError("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 is not supported by TokenFlow")
+    llm_config, a = build_llm_config(args)
+    ingress_config = {"num_replicas": a["ingress_replicas"]}
+    if a["ingress_num_cpus"] is not None:
+        ingress_config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
+    return build_openai_app({"llm_configs": [llm_config],
+                             "ingress_deployment_config": ingress_config})
+
+
+def wait_ready(app_name: str = "default", timeout: float = 600.0, poll_s: float = 1.0) -> float:
+    """Block until Serve reports `app_name` RUNNING; return seconds waited.
+
+    Readiness is the app status, not HTTP: /v1/models answers well before the
+    engines can generate. Raises RuntimeError if deployment failed and
+    TimeoutError after `timeout` seconds."""
+    import ray
+    from ray import serve
+
+    start = time.monotonic()
+    last = None
+    while True:
+        if not ray.is_initialized():
+            # `serve run` may still be importing vLLM before it starts Ray.
+            try:
+                ray.init(address="auto", log_to_driver=False)
+            except ConnectionError:
+                if time.monotonic() - start > timeout:
+                    raise TimeoutError(f"no Ray cluster to connect to after {timeout:.0f}s") from None
+                time.sleep(poll_s)
+                continue
+        app = serve.status().applications.get(app_name)
+        last = app.status if app is not None else None
+        if last == "RUNNING":
+            return time.monotonic() - start
+        if last == "DEPLOY_FAILED":  # UNHEALTHY may recover: keep waiting
+            raise RuntimeError(f"app {app_name!r} is {last}: {app.message}")
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"app {app_name!r} not RUNNING after {timeout:.0f}s (status {last})")
+        time.sleep(poll_s)
+
+
+if __name__ == "__main__":
+    # python -m deployments.app [APP_NAME] [TIMEOUT_S]: wait, then print READY.
+    name = sys.argv[1] if len(sys.argv) > 1 else "default"
+    waited = wait_ready(name, float(sys.argv[2]) if len(sys.argv) > 2 else 600.0)
+    print(f"READY {name} after {waited:.1f}s", flush=True)

@@ -1,0 +1,42 @@
+"""Shared fixtures: one real Ray Serve app for the whole session.
+
+Starting two vLLM engines behind Serve takes a minute or two on 2 cores, so
+every HTTP-level test shares this one app (started the way users start it,
+`serve run deployments/configs/local.yaml`) and stops it by process group."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.engines import ROOT, ensure_model
+from tokenflow import launcher
+
+LOCAL_CONFIG = str(ROOT / "deployments" / "configs" / "local.yaml")
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    ensure_model()
+    settings = launcher.app_settings(LOCAL_CONFIG)
+    base = f"http://{settings['host']}:{settings['port']}"
+    log_path = Path(tempfile.gettempdir()) / f"tokenflow-serve-{os.getpid()}.log"
+    with open(log_path, "wb") as log:
+        proc = launcher.start(LOCAL_CONFIG, log=log)
+        try:
+            if not launcher.wait_until_ready(base, settings["model"], timeout=600, proc=proc):
+                tail = log_path.read_text(errors="replace")[-4000:]
+                pytest.fail(f"serve app not ready; log tail:\n{tail}")
+            yield {"base_url": base, "model": settings["model"], "log": log_path}
+        finally:
+            launcher.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def client(serve_app):
+    from openai import OpenAI
+
+    return OpenAI(base_url=serve_app["base_url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
