@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError
         print(f"tokenflow: error: {e}", file=sys.stderr)
         return 2
 
