@@ -28,6 +28,10 @@ class TokenFlowConfig:
     # Weight of the low-buffer penalty gamma * exp(-b / r) in the priority,
     # in tokens: how many useful tokens an empty buffer is worth.
     gamma: float = 50.0
+    # Priority bonus (tokens) of a running request over a paused one: a
+    # paused request displaces a running one only when it is this much more
+    # valuable, so equal requests do not swap every interval.
+    switch_margin: float = 10.0
     # A running request whose buffer holds less than this many seconds of
     # reading puts the engine "under stress" and triggers a reschedule; a
     # paused request below it must resume first.

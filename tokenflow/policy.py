@@ -132,6 +132,11 @@ class TokenFlowPolicy:
         candidates = active + waiting[:room]  # the rest stay deferred
         key = self.rank_key_fn(eng)
         keys = [key(r) for r in candidates]
+        n_pinned = sum(k < -PINNED / 2 for k in keys)
+        if n_pinned > eng.max_num_seqs:
+            # More readers about to run dry than the engine can serve at once:
+            # pausing would only thrash (paper step 5's overload case).
+            return fcfs_decision(reqs)
         order = sorted(range(len(candidates)), key=keys.__getitem__)
         chosen = self.pack([candidates[i] for i in order], eng)
         return self.to_decision(reqs, chosen, eng)
@@ -161,6 +166,7 @@ class TokenFlowPolicy:
         (step 4); then the rest by priority U, highest first (step 5)."""
         cfg = self.cfg
         dt, mu, gamma, crit = cfg.dt, cfg.mu, cfg.gamma, cfg.critical_buffer_s
+        margin = cfg.switch_margin
         speed_dt = (eng.step_rate or 1.0 / dt) * dt
         # Seconds per context token to evict and reload (or to recompute).
         if eng.transfer_tps:
@@ -174,11 +180,16 @@ class TokenFlowPolicy:
             if r.phase is running:
                 # Mid-prefill requests never pause: the work done would be lost.
                 if not r.num_output or b < mu * rate * (r.num_tokens * io_per_token + dt):
+                    return b / rate - 2 * PINNED  # incumbents first among the pinned
+                bonus = margin
+            elif r.phase is paused:
+                if b < crit * rate:
                     return b / rate - PINNED
-            elif r.phase is paused and b < crit * rate:
-                return b / rate - PINNED
+                bonus = 0.0
+            else:
+                bonus = 0.0
             useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * dt))
-            return -(useful + gamma * exp(-b / rate))
+            return -(useful + gamma * exp(-b / rate) + bonus)
 
         return key
 

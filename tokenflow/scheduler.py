@@ -238,15 +238,19 @@ class TokenFlowMixin:
             self.waiting.remove_request(req)
             self.released[req_id] = req
             self.tf_stats.pauses_release += 1
-        self._resume(d.run)
+        self._resume(d.run, d.admit)
 
     def _pausable(self, req: Request) -> bool:
         # With async scheduling a step may still be in flight for it.
         return req.status == RequestStatus.RUNNING and req.num_output_placeholders == 0
 
-    def _resume(self, run_order: list[str]) -> None:
+    def _resume(self, run_order: list[str], admit: list[str]) -> None:
         order = {req_id: i for i, req_id in enumerate(run_order)}
-        to_queue = []
+        # Admitted newcomers go to the head of `waiting`, ahead of deferred ones.
+        waiting = {r.request_id: r for r in self.waiting}
+        to_queue = [waiting[i] for i in admit if i in waiting]
+        for req in to_queue:
+            self.waiting.remove_request(req)
         for req_id in run_order:
             if req_id in self.held and len(self.running) < self.max_num_running_reqs:
                 self.running.append(self.held.pop(req_id))
@@ -254,7 +258,8 @@ class TokenFlowMixin:
             elif req_id in self.released:
                 to_queue.append(self.released.pop(req_id))
                 self.tf_stats.resumes += 1
-        # vLLM re-admits the released ones first, highest priority first.
+        # vLLM re-admits these first: newcomers, then resumed requests in
+        # priority order (the front of the queue goes first).
         for req in reversed(to_queue):
             self.waiting.prepend_request(req)
         # vLLM preempts from the tail of `running` when blocks run out, so
