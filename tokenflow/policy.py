@@ -45,7 +45,7 @@ class Phase(str, Enum):
     PAUSED = "paused"  # parked by us; `kv_resident` says whether it kept its KV
 
 
-@dataclass
+@dataclass(slots=True)  # slots: the policy reads these fields in its hot loop
 class RequestView:
     req_id: str
     phase: Phase
