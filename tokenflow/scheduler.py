@@ -163,6 +163,7 @@ class TokenFlowMixin:
     # --- the decision -----------------------------------------------------
     def _view(self, req: Request, phase: Phase, now: float, resident: bool) -> RequestView:
         reader = self.readers[req.request_id]
+        host = self._offload_hook("tokenflow_request_host_blocks")
         return RequestView(
             req_id=req.request_id,
             phase=phase,
@@ -174,6 +175,7 @@ class TokenFlowMixin:
             num_tokens=req.num_tokens,
             blocks=math.ceil((req.num_tokens + 1) / self.block_size),
             kv_resident=resident,
+            host_blocks=host(req.request_id) if host and not resident else 0,
         )
 
     def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
@@ -199,13 +201,19 @@ class TokenFlowMixin:
             step_rate=m.step_rate.value,
             prefill_tps=m.prefill_tps.value,
             transfer_tps=self._transfer_tps(),
+            host_blocks=(h() if (h := self._offload_hook("tokenflow_host_blocks")) else 0),
         )
         return views, eng
 
+    def _offload_hook(self, name: str):
+        """A method of TokenFlow's offloading connector (kv_offload/), if in use."""
+        hook = getattr(self.connector, name, None) if self.connector is not None else None
+        return hook if callable(hook) else None
+
     def _transfer_tps(self) -> float | None:
         """Host<->device KV speed in tokens/s, when an offload tier is present."""
-        meter = getattr(self.connector, "tokenflow_transfer_tps", None) if self.connector else None
-        return meter() if callable(meter) else None
+        meter = self._offload_hook("tokenflow_transfer_tps")
+        return meter() if meter else None
 
     def _reschedule(self, now: float) -> None:
         views, eng = self.snapshot(now)
