@@ -47,6 +47,23 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _loadtest():
+    # loadtest/ sits beside tokenflow/ in the checkout; an editable install
+    # made before loadtest/ existed does not map it, so look there too.
+    try:
+        import loadtest.runner as runner
+    except ModuleNotFoundError:
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        import loadtest.runner as runner
+    return runner
+
+
+def _cmd_loadtest(args) -> int:
+    return _loadtest().run(args)
+
+
 def _positive_int(s: str) -> int:
     v = int(s)
     if v <= 0:
@@ -102,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenflow", default="{}", help="JSON of TokenFlowConfig overrides")
     c.add_argument("--no-plots", action="store_true")
     c.set_defaults(func=_cmd_bench)
+    lt = sub.add_parser("loadtest", help="streaming readers against a running app, with Locust (headless)")
+    _loadtest().add_arguments(lt)
+    lt.set_defaults(func=_cmd_loadtest)
     return p
 
 
