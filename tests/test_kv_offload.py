@@ -261,6 +261,9 @@ def test_released_requests_reload_from_host(baseline, tokenflow_connector):
     # Everything already computed came back from the host pool, except at
     # most the last, partly filled block.
     assert max(run.resumes.recomputed) < BLOCK
+    # The scheduler's own count agrees: under one block per resume.
+    assert run.stats.resumed_after_release > 0
+    assert run.stats.tokens_recomputed < BLOCK * run.stats.resumed_after_release
     assert run.tokens == baseline
     assert run.pinned_after == 0
 

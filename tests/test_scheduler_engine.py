@@ -27,8 +27,13 @@ def generate(scheduler_cls=None, tokenflow=None, prompts=None):
     sched = scheduler_of(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     stats = getattr(sched, "tf_stats", None)
+    core = llm.llm_engine.engine_core.engine_core
+    state = core.tokenflow_state() if stats is not None else None  # the replica's utility call
     limits = (sched.max_num_running_reqs, sched.kv_cache_config.num_blocks)
     leftovers = (len(getattr(sched, "held", {})), len(getattr(sched, "released", {})), len(sched.requests))
+    if stats is not None:
+        assert state["stats"]["pauses_release"] == stats.pauses_release
+        assert state["running"] == state["paused_hold"] == state["paused_release"] == 0
     del llm
     gc.collect()
     return tokens, stats, limits, leftovers
@@ -48,6 +53,8 @@ def test_burst_outputs_equal_vllm_scheduler(baseline, policy):
     if policy == "tokenflow":
         assert stats.pauses_hold > 0
     assert stats.resumes > 0
+    # Without offload, released requests recompute their KV on resume.
+    assert stats.resumed_after_release > 0 and stats.tokens_recomputed > 0
     assert tokens == baseline  # every request: exactly vLLM's own tokens
     assert stats.max_running <= max_seqs
     assert stats.max_blocks_used <= blocks

@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.engine.core import EngineCore
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -46,6 +47,8 @@ class SchedulerStats:
     decision_seconds: float = 0.0  # total time inside the policy
     max_running: int = 0  # most requests ever in `running` (<= max_num_seqs)
     max_blocks_used: int = 0
+    resumed_after_release: int = 0  # released requests that came back
+    tokens_recomputed: int = 0  # KV recomputed on those resumes (not reloaded or cached)
 
 
 def make_policy(cfg: TokenFlowConfig):
@@ -74,6 +77,7 @@ class TokenFlowMixin:
         self._next_decision = 0.0
         self._step_started: float | None = None
         self._seen_output: dict[str, int] = {}
+        self._computed_at_release: dict[str, int] = {}
         logger.info("TokenFlow scheduler: %s", self.tf_config)
 
     # --- vLLM hooks -------------------------------------------------------
@@ -98,6 +102,8 @@ class TokenFlowMixin:
             self._reschedule(now)
         self._step_started = now
         out = super().schedule(*args, **kwargs)
+        if self._computed_at_release:
+            self._count_recompute(out)
         self.tf_stats.max_running = max(self.tf_stats.max_running, len(self.running))
         used = self.kv_cache_config.num_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
         self.tf_stats.max_blocks_used = max(self.tf_stats.max_blocks_used, used)
@@ -146,7 +152,19 @@ class TokenFlowMixin:
             reader.on_tokens(now, new)
             self._seen_output[req_id] = n
 
+    def _count_recompute(self, out) -> None:
+        """On a released request's first step back, what it had to recompute:
+        KV computed at the pause minus what the cache or host pool restored."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            at_release = self._computed_at_release.pop(req_id, None)
+            if at_release is None:
+                continue
+            restored = self.requests[req_id].num_computed_tokens - n
+            self.tf_stats.resumed_after_release += 1
+            self.tf_stats.tokens_recomputed += max(0, at_release - restored)
+
     def _forget(self, req_id: str) -> None:
+        self._computed_at_release.pop(req_id, None)
         self.readers.pop(req_id, None)
         self._seen_output.pop(req_id, None)
         self.held.pop(req_id, None)
@@ -242,6 +260,7 @@ class TokenFlowMixin:
                 continue
             if req in self.running:
                 self.running.remove(req)
+            self._computed_at_release[req_id] = req.num_computed_tokens
             self._preempt_request(req, stamp)  # frees blocks, queues in `waiting`
             self.waiting.remove_request(req)
             self.released[req_id] = req
@@ -273,6 +292,54 @@ class TokenFlowMixin:
         # vLLM preempts from the tail of `running` when blocks run out, so
         # keep the policy's order: its lowest priority goes first.
         self.running.sort(key=lambda r: order.get(r.request_id, -1))
+
+
+    def tokenflow_state(self) -> dict:
+        """What the engine replica reads (router push, metrics): plain numbers."""
+        now = self.clock()
+        running = [r for r in self.running if r.request_id in self.readers]
+        buffers = [self.readers[r.request_id].buffer_seconds(now) for r in running
+                   if self.readers[r.request_id].delivered]
+        pool = self._offload_hook("tokenflow_host_blocks")
+        from kv_offload.connector import host_pool_of
+
+        pool_mgr = host_pool_of(self.connector) if self.connector is not None else None
+        counters = pool_mgr.counters if pool_mgr is not None else None
+        kv = self.kv_cache_manager.block_pool
+        return {
+            "policy": self.tf_config.policy,
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self.kv_holding_waiting),
+            "paused_hold": len(self.held),
+            "paused_release": len(self.released),
+            "buffer_s_min": min(buffers, default=None),
+            "buffer_s_sum": sum(buffers),
+            "buffer_s": buffers,
+            "required_rate": sum(self.readers[r.request_id].rate for r in running)
+            + sum(self.readers[i].rate for i in (*self.held, *self.released) if i in self.readers),
+            "decode_tps": self.meters.peak_decode_tps or None,
+            "kv_free_blocks": kv.get_num_free_blocks(),
+            "kv_total_blocks": self.kv_cache_config.num_blocks,
+            "host_pool_blocks": pool() if pool else 0,
+            "stats": asdict(self.tf_stats),
+            "offload": None if counters is None else {
+                "blocks_stored": counters.blocks_stored, "blocks_loaded": counters.blocks_loaded,
+                "bytes_stored": counters.bytes_stored, "bytes_loaded": counters.bytes_loaded,
+                "evictions": counters.evictions, "lookup_hits": counters.lookup_hits,
+                "lookup_misses": counters.lookup_misses, "capacity_blocks": counters.capacity_blocks,
+            },
+        }
+
+
+def _engine_core_tokenflow_state(engine_core) -> dict:
+    """EngineCore utility: `await engine_client.engine_core.call_utility_async(
+    "tokenflow_state")` from the replica reaches the scheduler in the
+    EngineCore process. vLLM looks utility methods up by name on EngineCore."""
+    sched = engine_core.scheduler
+    return sched.tokenflow_state() if isinstance(sched, TokenFlowMixin) else {}
+
+
+EngineCore.tokenflow_state = _engine_core_tokenflow_state
 
 
 class TokenFlowScheduler(TokenFlowMixin, Scheduler):
