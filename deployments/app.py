@@ -25,6 +25,18 @@ typo never silently falls back to a default):
   deployment_config    extra Ray Serve options for the engine deployment
                        (e.g. request_router_config, max_ongoing_requests)
   experimental_configs Ray Serve LLM extras (e.g. stream_batching_interval_ms)
+  router               slack-aware request routing (actors/ranking.py RouterSettings):
+                       enabled, push_interval_s, stale_after_s, refresh_interval_s,
+                       horizon_s, capacity_tps, reader_rate, pending_ttl_s.
+                       reader_rate defaults to tokenflow.default_rate. A
+                       request_router_config in deployment_config wins over it.
+  kv_pool              node host-KV pool actors (actors/kv_pool.py KVPoolSettings):
+                       enabled, size_bytes (per node; default ram_fraction of
+                       the node's RAM), ram_fraction (0.2), report_interval_s,
+                       engine_ttl_s
+
+The HTTP ingress serves the OpenAI API plus GET /health and
+GET /v1/tokenflow/engines (each engine's state as the router sees it).
 """
 
 from __future__ import annotations
@@ -55,7 +67,11 @@ DEFAULTS = {
     "env": {},
     "deployment_config": {},
     "experimental_configs": {},
+    "router": None,
+    "kv_pool": None,
 }
+
+ROUTER_CLASS = "deployments.router:TokenFlowRequestRouter"
 
 # Per-accelerator defaults. On CPU everything but the engine itself asks for
 # 0 CPUs: Ray's defaults (1 CPU per replica actor on top of its engine's
@@ -108,7 +124,21 @@ def resolve_args(args: dict | None) -> dict:
         if out[key] is not None:
             out[key] = kind(out[key])
     out["engine_kwargs"] = merge_tokenflow_config(out["engine_kwargs"], out["tokenflow"])
+    out["router"], out["kv_pool"] = cluster_settings(out)
     return out
+
+
+def cluster_settings(a: dict) -> tuple[dict, dict]:
+    """Validated `router` and `kv_pool` blocks, defaults filled in."""
+    from actors.kv_pool import KVPoolSettings
+    from actors.ranking import RouterSettings
+
+    router = RouterSettings.from_dict(a["router"])
+    if router.reader_rate is None:
+        # A newcomer is assumed to read at the rate the scheduler assumes.
+        tokenflow = (a["engine_kwargs"].get("additional_config") or {}).get("tokenflow")
+        router.reader_rate = TokenFlowConfig.from_dict(tokenflow).default_rate
+    return router.to_dict(), KVPoolSettings.from_dict(a["kv_pool"]).to_dict()
 
 
 def merge_tokenflow_config(engine_kwargs: dict, tokenflow: dict | None) -> dict:
@@ -148,6 +178,9 @@ def build_llm_config(args: dict | None):
         deployment_config["num_replicas"] = a["num_replicas"]
     if a["replica_num_cpus"] is not None:
         deployment_config.setdefault("ray_actor_options", {})["num_cpus"] = a["replica_num_cpus"]
+    if a["router"]["enabled"] and "request_router_config" not in deployment_config:
+        deployment_config["request_router_config"] = {
+            "request_router_class": ROUTER_CLASS, "request_router_kwargs": a["router"]}
 
     kwargs = dict(
         model_loading_config={"model_id": a["model_id"],
@@ -169,19 +202,57 @@ def build_llm_config(args: dict | None):
 
 
 def build_app(args: dict | None = None):
-    """Application builder for `serve run deployments.app:build_app` / YAML."""
-    from ray.serve.llm import build_openai_app
+    """Application builder for `serve run deployments.app:build_app` / YAML.
 
+    The same graph as ray.serve.llm's build_openai_app (OpenAI ingress ->
+    engine deployment), built here so that the ingress gets TokenFlow's extra
+    routes and the engines get the router and kv_pool settings."""
     if os.environ.get("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "0") == "1":
         # That mode serves vLLM's own ASGI app from the replica and bypasses
         # TokenFlowLLMServer.chat/completions, so consumption_rate would be lost.
         raise RuntimeError("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 is not supported by TokenFlow")
+    from ray import serve
+    from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    from deployments.router import TOKENFLOW_ENDPOINTS, TokenFlowIngress
+
     llm_config, a = build_llm_config(args)
+    if a["kv_pool"]["enabled"]:
+        create_node_kv_pools(llm_config, a["kv_pool"])
+    engines = build_llm_deployment(
+        llm_config, bind_kwargs={"tokenflow_cluster": {"router": a["router"], "kv_pool": a["kv_pool"]}})
+
     ingress_config = {"num_replicas": a["ingress_replicas"]}
     if a["ingress_num_cpus"] is not None:
         ingress_config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
-    return build_openai_app({"llm_configs": [llm_config],
-                             "ingress_deployment_config": ingress_config})
+    options = maybe_apply_llm_deployment_config_defaults(
+        TokenFlowIngress.get_deployment_options([llm_config]), ingress_config)
+    ingress_cls = make_fastapi_ingress(TokenFlowIngress, endpoint_map=TOKENFLOW_ENDPOINTS)
+    return serve.deployment(ingress_cls, **options).bind(
+        llm_deployments={llm_config.model_id: engines},
+        model_cards={llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)},
+        lora_paths=({llm_config.model_id: llm_config.lora_config.dynamic_lora_loading_path}
+                    if llm_config.lora_config is not None else {}),
+        tokenflow_router=a["router"],
+    )
+
+
+def create_node_kv_pools(llm_config, kv_pool: dict) -> list[str]:
+    """One KV pool actor on every alive node that can hold an engine; returns
+    their node ids. Without a Ray connection yet (`serve run module:builder`
+    builds before connecting) each engine creates its node's pool instead."""
+    import ray
+
+    from actors.kv_pool import KVPoolSettings, ensure_node_pools
+    from deployments.server import TokenFlowLLMServer
+
+    if not ray.is_initialized():
+        return []
+    bundles = TokenFlowLLMServer.get_deployment_options(llm_config).get("placement_group_bundles") or [{}]
+    return sorted(ensure_node_pools(KVPoolSettings.from_dict(kv_pool), bundles[0]))
 
 
 def wait_ready(app_name: str = "default", timeout: float = 600.0, poll_s: float = 1.0) -> float:

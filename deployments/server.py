@@ -6,18 +6,28 @@ only forwards `vllm_xargs` to the engine (as `SamplingParams.extra_args`, which
 the TokenFlow scheduler reads), and a top-level unknown field survives the
 OpenAI ingress only as the pydantic request's `model_extra`. So this class
 validates the rate and writes it into `vllm_xargs` before the engine sees it.
+
+It also keeps the replica's own view of its streams (one ReaderBuffer per
+streaming request, fed from the chunks it sends) and, under Serve, starts an
+EngineAgent that pushes that state to the app's router actor and registers
+with the node's KV pool actor (actors/).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, AsyncGenerator, Optional
 
+from ray import serve
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ErrorInfo,
     ErrorResponse,
 )
 from ray.serve.llm import LLMServer
 
+from actors.engine_state import EngineTracker, tracked
+from actors.kv_pool import KVPoolSettings
+from actors.ranking import RouterSettings
 from tokenflow.config import TokenFlowConfig, parse_rate
 
 RATE_KEY = "consumption_rate"
@@ -66,20 +76,69 @@ async def _yield_once(item: Any) -> AsyncGenerator[Any, None]:
 
 
 class TokenFlowLLMServer(LLMServer):
-    """LLMServer that maps `consumption_rate` into `vllm_xargs`; otherwise
-    unchanged. Only the chat and completions endpoints generate tokens."""
+    """LLMServer that maps `consumption_rate` into `vllm_xargs` and tracks its
+    streams for the router. Only chat and completions generate tokens.
 
-    async def __init__(self, llm_config, **kwargs):
+    `tokenflow_cluster` ({"router": {...}, "kv_pool": {...}}, the app args'
+    blocks) is bound by deployments/app.py; absent, the defaults apply."""
+
+    async def __init__(self, llm_config, *, tokenflow_cluster: Optional[dict] = None, **kwargs):
         # Parse before the (slow) engine start so a bad config fails fast.
         self._tokenflow_cfg = tokenflow_config_of(llm_config)
+        cluster = tokenflow_cluster or {}
+        self._router_settings = RouterSettings.from_dict(cluster.get("router"))
+        self._kv_settings = KVPoolSettings.from_dict(cluster.get("kv_pool"))
+        self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s)
+        self._agent = None
         await super().__init__(llm_config, **kwargs)
+        # Only now: the router must never see an engine that cannot serve yet.
+        self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
+                                   self._scheduler_state)
+
+    async def _scheduler_state(self) -> dict:
+        """The TokenFlow scheduler's summary, via its EngineCore utility
+        (tokenflow/scheduler.py); {} under another scheduler."""
+        core = getattr(getattr(self.engine, "_engine_client", None), "engine_core", None)
+        if core is None:
+            return {}
+        return await core.call_utility_async("tokenflow_state")
+
+    def _track(self, request, gen, arrival: float):
+        if not hasattr(gen, "__aiter__"):
+            return gen
+        return tracked(gen, self._tracker, rate=float(request.vllm_xargs[RATE_KEY]),
+                       stream=bool(getattr(request, "stream", False)), arrival=arrival,
+                       # usage counts every choice; the deltas only choice 0
+                       use_usage=(getattr(request, "n", 1) or 1) == 1)
 
     async def chat(self, request, raw_request_info=None):
+        arrival = time.monotonic()
         if (error := apply_consumption_rate(request, self._tokenflow_cfg)) is not None:
             return _yield_once(error)
-        return await super().chat(request, raw_request_info)
+        return self._track(request, await super().chat(request, raw_request_info), arrival)
 
     async def completions(self, request, raw_request_info=None):
+        arrival = time.monotonic()
         if (error := apply_consumption_rate(request, self._tokenflow_cfg)) is not None:
             return _yield_once(error)
-        return await super().completions(request, raw_request_info)
+        return self._track(request, await super().completions(request, raw_request_info), arrival)
+
+    async def __del__(self):
+        if getattr(self, "_agent", None) is not None:
+            self._agent.stop()
+        await super().__del__()
+
+
+def _start_agent(tracker, router: RouterSettings, kv: KVPoolSettings, scheduler_state=None):
+    if not (router.enabled or kv.enabled):
+        return None
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # built outside a Serve replica (e.g. a unit test)
+        return None
+    from actors.engine_agent import EngineAgent
+
+    agent = EngineAgent(tracker, router, kv, app_name=ctx.app_name, engine_id=ctx.replica_id.unique_id,
+                        replica=ctx.replica_id.to_full_id_str(), scheduler_state=scheduler_state)
+    agent.start()
+    return agent

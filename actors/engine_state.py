@@ -1,0 +1,180 @@
+"""An engine replica's view of its own streams, from what it sends out.
+
+Pure Python (no Ray): TokenFlowLLMServer wraps each response generator with
+`tracked()`, which feeds a tokenflow.buffer.ReaderBuffer per streaming
+request; `EngineTracker.state()` summarises them for the router.
+
+What the generator yields (ray.serve.llm 2.60, LLMServer.chat/completions):
+streaming responses come as lists (one per ~50 ms batch) of SSE strings
+"data: {json}\\n\\n"; non-streaming ones as one response object with
+`.usage`; errors as an ErrorResponse object. Tokens are counted as one per
+content delta of choice 0 (a lower bound: a delta may hold several tokens)
+and corrected by `usage.completion_tokens` whenever a chunk carries it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from typing import Any, AsyncGenerator
+
+from tokenflow.buffer import ReaderBuffer
+
+
+def _sse_events(text: str):
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == "[DONE]":
+            continue
+        try:
+            ev = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            yield ev
+
+
+def _delta_tokens(ev: dict) -> int:
+    for ch in ev.get("choices") or ():
+        if not isinstance(ch, dict) or ch.get("index", 0) != 0:
+            continue
+        delta = ch.get("delta")
+        if isinstance(delta, dict):  # chat
+            piece = (delta.get("content") or delta.get("reasoning_content")
+                     or delta.get("reasoning") or delta.get("tool_calls"))
+        else:  # text completion
+            piece = ch.get("text")
+        return 1 if piece else 0
+    return 0
+
+
+def _usage_of(obj: Any) -> int | None:
+    usage = obj.get("usage") if isinstance(obj, dict) else getattr(obj, "usage", None)
+    if usage is None:
+        return None
+    ct = usage.get("completion_tokens") if isinstance(usage, dict) else getattr(usage, "completion_tokens", None)
+    return ct if isinstance(ct, int) else None
+
+
+def count_chunk(item: Any) -> tuple[int, int | None]:
+    """(content deltas of choice 0, latest usage.completion_tokens or None)."""
+    if isinstance(item, (list, tuple)):
+        total, usage = 0, None
+        for x in item:
+            n, u = count_chunk(x)
+            total += n
+            usage = u if u is not None else usage
+        return total, usage
+    if isinstance(item, bytes):
+        item = item.decode("utf-8", errors="replace")
+    if isinstance(item, str):
+        total, usage = 0, None
+        for ev in _sse_events(item):
+            total += _delta_tokens(ev)
+            u = _usage_of(ev)
+            usage = u if u is not None else usage
+        return total, usage
+    return 0, _usage_of(item)  # a whole (non-streaming) response, or an error
+
+
+class EngineTracker:
+    """Open requests of one engine and its recent decode rate."""
+
+    def __init__(self, horizon_s: float = 10.0, window_s: float = 2.0, clock=time.monotonic):
+        self.horizon_s = horizon_s
+        self.window_s = window_s
+        self.clock = clock
+        self._streams: dict[int, ReaderBuffer] = {}
+        self._unary: set[int] = set()
+        self._next = 0
+        self.received_total = 0
+        self._window: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
+        self.peak_tps = 0.0
+        self.tokens_total = 0
+
+    def open(self, rate: float, stream: bool, arrival: float) -> int:
+        self._next += 1
+        self.received_total += 1
+        if stream:
+            self._streams[self._next] = ReaderBuffer(rate=rate, arrival_time=arrival)
+        else:
+            self._unary.add(self._next)
+        return self._next
+
+    def add_tokens(self, handle: int, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        reader = self._streams.get(handle)
+        if reader is not None:
+            reader.on_tokens(now, n)
+        self._window.append((now, n))
+        self._window_tokens += n
+        self.tokens_total += n
+
+    def close(self, handle: int, now: float) -> None:
+        self._streams.pop(handle, None)
+        self._unary.discard(handle)
+
+    def decode_tps(self, now: float) -> float:
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window_tokens -= self._window.popleft()[1]
+        tps = self._window_tokens / self.window_s
+        self.peak_tps = max(self.peak_tps, tps)
+        return tps
+
+    def state(self, now: float | None = None) -> dict:
+        """EngineState fields (without the ids) at `now`."""
+        now = self.clock() if now is None else now
+        running = waiting = stalled = 0
+        b_sum = b_cap = rate_sum = 0.0
+        b_min = None
+        for r in self._streams.values():
+            rate_sum += r.rate
+            if r.first_token_time is None:
+                waiting += 1
+                continue
+            running += 1
+            b = r.buffer_seconds(now)
+            b_sum += b
+            b_cap += min(b, self.horizon_s)
+            b_min = b if b_min is None else min(b_min, b)
+            stalled += b <= 1e-9
+        tps = self.decode_tps(now)
+        return dict(running=running, waiting=waiting, unary=len(self._unary), stalled=stalled,
+                    buffer_s_sum=round(b_sum, 4), buffer_s_capped=round(b_cap, 4),
+                    buffer_s_min=None if b_min is None else round(b_min, 4),
+                    rate_sum=rate_sum, decode_tps=round(tps, 2), peak_tps=round(self.peak_tps, 2),
+                    received_total=self.received_total)
+
+
+async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, stream: bool,
+                  arrival: float, use_usage: bool = True) -> AsyncGenerator:
+    """Yield what `gen` yields, counting its tokens into `tracker`.
+
+    The request is opened when iteration starts (Serve starts it at once) and
+    closed in `finally`, so a cancelled or failed stream never stays open."""
+    handle = tracker.open(rate, stream, arrival)
+    counted = 0
+    try:
+        async for item in gen:
+            n, usage = count_chunk(item)
+            if use_usage and usage is not None and usage > counted + n:
+                n = usage - counted  # usage is exact; deltas only a lower bound
+            if n:
+                tracker.add_tokens(handle, n, tracker.clock())
+                counted += n
+            yield item
+    finally:
+        tracker.close(handle, tracker.clock())
+        # Close the inner stream now (not at garbage collection) so a client
+        # that went away releases its engine request promptly.
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception:
+                pass

@@ -1,0 +1,195 @@
+"""Node KV pool actors: one per Ray node that runs engines.
+
+Each owns the accounting of its node's host KV pool: the total size, each
+engine's quota (an equal share among the engines registered on the node),
+and the usage and transfer counters engines report. The storage itself
+(kv_offload/) is wired to this later through the small API below:
+
+    register_engine(engine_id) -> quota_bytes
+    report(engine_id, counters) -> quota_bytes   (quotas shrink as engines join)
+    unregister_engine(engine_id)
+    stats() -> dict
+
+The app builder creates one per alive node that can host an engine; an
+engine also asks for its own node's pool when it starts (a node added
+later). Both use a detached actor named after the node id with
+get_if_exists, pinned to the node, so there is never more than one per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import ray
+
+from actors.ranking import check_keys
+
+NAMESPACE = "tokenflow"
+NAME_PREFIX = "tokenflow-kv-pool:"
+
+
+@dataclass
+class KVPoolSettings:
+    """The `kv_pool:` block of the app args (deployments/configs/*.yaml)."""
+
+    enabled: bool = True
+    size_bytes: int | None = None  # host KV pool per node; None: ram_fraction of the node's RAM
+    ram_fraction: float = 0.2
+    report_interval_s: float = 1.0  # how often engines report their counters
+    engine_ttl_s: float = 30.0  # an engine silent this long gives its share back
+
+    def __post_init__(self) -> None:
+        if self.size_bytes is not None and not (isinstance(self.size_bytes, int) and self.size_bytes >= 0):
+            raise ValueError(f"kv_pool.size_bytes must be a byte count, got {self.size_bytes!r}")
+        if not (0 < self.ram_fraction < 1):
+            raise ValueError(f"kv_pool.ram_fraction must be in (0, 1), got {self.ram_fraction!r}")
+        for name in ("report_interval_s", "engine_ttl_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"kv_pool.{name} must be a positive number, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "KVPoolSettings":
+        return cls(**check_keys(cls, d, "kv_pool"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class PoolAccounting:
+    """Quotas and counters of one node's pool (pure; the actor wraps it)."""
+
+    def __init__(self, total_bytes: int, engine_ttl_s: float = 30.0, clock=time.monotonic):
+        self.total_bytes = int(total_bytes)
+        self.engine_ttl_s = engine_ttl_s
+        self.clock = clock
+        self.engines: dict[str, dict] = {}  # id -> {"counters": {...}, "seen": t}
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for eid in [e for e, v in self.engines.items() if now - v["seen"] > self.engine_ttl_s]:
+            del self.engines[eid]
+
+    def quota(self, engine_id: str) -> int:
+        if engine_id not in self.engines:
+            return 0
+        return self.total_bytes // len(self.engines)
+
+    def register(self, engine_id: str) -> int:
+        self._expire()
+        entry = self.engines.setdefault(engine_id, {"counters": {}, "seen": 0.0})
+        entry["seen"] = self.clock()
+        return self.quota(engine_id)
+
+    def unregister(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+
+    def report(self, engine_id: str, counters: dict) -> int:
+        self.register(engine_id)  # a report also proves the engine is alive
+        self.engines[engine_id]["counters"] = dict(counters or {})
+        return self.quota(engine_id)
+
+    def stats(self) -> dict:
+        self._expire()
+        totals: dict[str, float] = {}
+        for v in self.engines.values():
+            for k, x in v["counters"].items():
+                if isinstance(x, (int, float)):
+                    totals[k] = totals.get(k, 0) + x
+        return {"total_bytes": self.total_bytes,
+                "engines": {e: {"quota_bytes": self.quota(e), "counters": v["counters"]}
+                            for e, v in sorted(self.engines.items())},
+                "totals": totals}
+
+
+def node_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class KVPoolActor:
+    def __init__(self, node_id: str, settings: dict | None = None):
+        s = KVPoolSettings.from_dict(settings)
+        total = s.size_bytes if s.size_bytes is not None else int(node_ram_bytes() * s.ram_fraction)
+        self.node_id = node_id
+        self.running_on = ray.get_runtime_context().get_node_id()
+        self.pool = PoolAccounting(total, s.engine_ttl_s)
+
+    def register_engine(self, engine_id: str) -> int:
+        return self.pool.register(engine_id)
+
+    def unregister_engine(self, engine_id: str) -> None:
+        self.pool.unregister(engine_id)
+
+    def report(self, engine_id: str, counters: dict) -> int:
+        return self.pool.report(engine_id, counters)
+
+    def stats(self) -> dict:
+        return {"node_id": self.node_id, "running_on": self.running_on, **self.pool.stats()}
+
+
+def pool_name(node_id: str) -> str:
+    return NAME_PREFIX + node_id
+
+
+def get_node_pool(node_id: str, settings: KVPoolSettings | dict | None = None):
+    """Handle to the pool of `node_id`, created there on first use."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if isinstance(settings, KVPoolSettings):
+        settings = settings.to_dict()
+    return KVPoolActor.options(
+        name=pool_name(node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(node_id, settings)
+
+
+def engine_nodes(required: dict[str, float]) -> list[str]:
+    """Alive nodes whose total resources can hold one engine's first bundle."""
+    out = []
+    for node in ray.nodes():
+        res = node.get("Resources") or {}
+        if node.get("Alive") and all(res.get(k, 0) >= v for k, v in required.items() if v > 0):
+            out.append(node["NodeID"])
+    return out
+
+
+def ensure_node_pools(settings: KVPoolSettings, required: dict[str, float]) -> dict[str, object]:
+    """One pool per alive node that can run an engine; existing ones are reused."""
+    return {nid: get_node_pool(nid, settings) for nid in engine_nodes(required)}
+
+
+def list_pools() -> list[str]:
+    """Node ids that have a pool actor (alive or restarting)."""
+    from ray.util import list_named_actors
+
+    names = list_named_actors(all_namespaces=True)
+    return sorted(a["name"][len(NAME_PREFIX):] for a in names
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith(NAME_PREFIX))
+
+
+async def pool_stats(timeout: float = 5.0) -> dict[str, dict]:
+    """stats() of every node pool, by node id (for /v1/tokenflow/engines)."""
+    out = {}
+    for nid in await asyncio.to_thread(list_pools):  # GCS look-ups: off the event loop
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, pool_name(nid), namespace=NAMESPACE)
+            out[nid] = await asyncio.wait_for(handle.stats.remote(), timeout)
+        except Exception as e:
+            out[nid] = {"error": repr(e)}
+    return out
+
+
+def kill_node_pools() -> int:
+    n = 0
+    for nid in list_pools():
+        try:
+            ray.kill(ray.get_actor(pool_name(nid), namespace=NAMESPACE), no_restart=True)
+            n += 1
+        except ValueError:
+            pass
+    return n

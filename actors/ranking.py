@@ -1,0 +1,256 @@
+"""Which engine takes the next request: ranking by buffer slack.
+
+Pure Python (no Ray, no vLLM): the ingress request routers and the tests use
+it as is.
+
+Slack of an engine is measured in reader-seconds over a horizon H: how much
+reading time it can still give newcomers before one of its readers stalls.
+
+    slack = H * (capacity - required) / reader_rate     spare decode rate, as readers
+          + sum over running streams of min(buffer_s, H)  buffers TokenFlow can lend
+
+`required` is the sum of its readers' stated rates (running and waiting),
+plus `reader_rate` per non-streaming request. `capacity` is the best decode
+rate the engine has shown, or `capacity_tps` when it has not shown more yet.
+An idle engine thus has the most slack; an engine whose readers are all
+near empty buffers has little, even at the same request count. Negative
+slack is a deficit: its readers will stall unless work moves elsewhere.
+
+Each request goes to the engine with the most slack left after the
+requests just sent to it: every request sent since the engine's last pushed
+state counts as the load it will add once a push shows it (one reader, i.e.
+H reader-seconds), so the ranking is the same before and after that push.
+A burst therefore fills engines by slack instead of herding onto one: it
+goes first where slack is largest, until what is left is level; a burst
+that uses up the slack is split in proportion to it; beyond that, evenly.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+
+def check_keys(cls, d: dict | None, block: str) -> dict:
+    d = dict(d or {})
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {block} keys: {sorted(unknown)}")
+    return d
+
+
+@dataclass
+class RouterSettings:
+    """The `router:` block of the app args (deployments/configs/*.yaml)."""
+
+    enabled: bool = True  # False: Serve's default power-of-two-choices router
+    push_interval_s: float = 0.1  # each engine pushes its state this often
+    # State older than this is unknown: that engine is skipped (a dead or
+    # hung engine stops pushing; Serve's health checks then replace it).
+    stale_after_s: float = 0.3
+    refresh_interval_s: float = 0.1  # each ingress re-reads all states this often
+    horizon_s: float = 10.0  # H above: how far ahead slack looks
+    capacity_tps: float = 1000.0  # decode tokens/s assumed until an engine shows more
+    reader_rate: float | None = None  # tokens/s of one new reader; None: tokenflow.default_rate
+    pending_ttl_s: float = 2.0  # a sent request no push ever reflects stops counting
+
+    def __post_init__(self) -> None:
+        for name in ("push_interval_s", "stale_after_s", "refresh_interval_s", "horizon_s",
+                     "capacity_tps", "pending_ttl_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"router.{name} must be a positive number, got {v!r}")
+        if self.reader_rate is not None and not (self.reader_rate > 0 and math.isfinite(self.reader_rate)):
+            raise ValueError(f"router.reader_rate must be a positive number, got {self.reader_rate!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "RouterSettings":
+        return cls(**check_keys(cls, d, "router"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def rate(self) -> float:
+        return self.reader_rate if self.reader_rate is not None else 40.0
+
+
+@dataclass
+class EngineState:
+    """What one engine replica pushes about itself (see actors/engine_state.py)."""
+
+    engine_id: str  # Serve replica unique id, as the request router sees it
+    node_id: str = ""
+    replica: str = ""  # full replica name, for people reading /v1/tokenflow/engines
+    running: int = 0  # streams that got their first token
+    waiting: int = 0  # streams with no token yet
+    unary: int = 0  # non-streaming requests in flight
+    stalled: int = 0  # running streams whose reader has nothing buffered
+    buffer_s_sum: float = 0.0  # sum of running readers' buffered seconds
+    buffer_s_capped: float = 0.0  # same, each capped at the horizon
+    buffer_s_min: float | None = None
+    rate_sum: float = 0.0  # tokens/s the streams' readers need
+    decode_tps: float = 0.0  # tokens/s delivered lately
+    peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
+    received_total: int = 0  # requests ever received (settles "just sent" counts)
+    seq: int = 0
+    sent_at: float = 0.0  # engine wall clock at push (display only)
+    scheduler: dict | None = None  # the TokenFlow scheduler's own summary, when available
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting + self.unary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineState":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def slack(state: EngineState, s: RouterSettings) -> float:
+    capacity = max(state.peak_tps, s.capacity_tps)
+    required = state.rate_sum + state.unary * s.rate
+    spare_readers = (capacity - required) / s.rate
+    return s.horizon_s * spare_readers + state.buffer_s_capped
+
+
+def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RouterSettings) -> list[str]:
+    """Engine ids, best first, for the next request. Callers pass only fresh states."""
+
+    def key(eid: str):
+        st, p = states[eid], pending.get(eid, 0)
+        # A sent request will show as one more reader: H reader-seconds less.
+        # Ties: least loaded, then by id so the order is deterministic.
+        return (-(slack(st, s) - s.horizon_s * p), st.load + p, eid)
+
+    return sorted(states, key=key)
+
+
+def split_burst(states: dict[str, EngineState], n: int, s: RouterSettings) -> dict[str, int]:
+    """Where n requests sent before any new push would go (for tests and docs)."""
+    pending = {e: 0 for e in states}
+    for _ in range(n):
+        pending[rank_engines(states, pending, s)[0]] += 1
+    return pending
+
+
+class LatencyStats:
+    """Recent samples (seconds) and their summary in ms; appends are thread-safe."""
+
+    def __init__(self, keep: int = 4096):
+        self.samples: deque[float] = deque(maxlen=keep)
+        self.count = 0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        self.count += 1
+
+    def summary(self) -> dict:
+        xs = sorted(self.samples)
+        if not xs:
+            return {"count": self.count}
+
+        def q(p: float) -> float:
+            return round(1000 * xs[min(len(xs) - 1, int(p * len(xs)))], 4)
+
+        return {"count": self.count, "mean_ms": round(1000 * sum(xs) / len(xs), 4),
+                "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(1000 * xs[-1], 4)}
+
+
+class RoutingTable:
+    """One ingress's cached copy of every engine's state, plus what it just sent.
+
+    Written by a refresher (update) and read by choose_replicas (rank) on the
+    router's event loop; the HTTP handler reads view() from another thread,
+    hence whole-dict swaps and a small lock around `pending`."""
+
+    def __init__(self, settings: RouterSettings, clock=time.monotonic):
+        self.settings = settings
+        self._clock = clock
+        self._states: dict[str, EngineState] = {}
+        self._born: dict[str, float] = {}  # local clock time at which each state was fresh
+        self._pending: dict[str, deque] = {}
+        self._lock = threading.Lock()
+        self.latency = LatencyStats()  # time inside choose_replicas
+        self.state_age = LatencyStats()  # age of the chosen engine's state at decision
+        self.fallbacks = 0  # decisions left to Serve's default (no fresh state)
+        self.decisions: dict[str, int] = {}
+
+    def update(self, snapshot: dict[str, tuple[dict, float]], now: float | None = None) -> None:
+        """snapshot: engine_id -> (state dict, age in seconds when read)."""
+        now = self._clock() if now is None else now
+        states, born = {}, {}
+        with self._lock:
+            for eid, (d, age) in snapshot.items():
+                st = d if isinstance(d, EngineState) else EngineState.from_dict(d)
+                old = self._states.get(eid)
+                if old is not None and st.received_total > old.received_total:
+                    # The engine now counts that many more arrivals: they are
+                    # (mostly) ours, so stop counting as many of our sends.
+                    q = self._pending.get(eid)
+                    for _ in range(min(len(q or ()), st.received_total - old.received_total)):
+                        q.popleft()
+                states[eid], born[eid] = st, now - age
+            self._states, self._born = states, born
+
+    def on_sent(self, engine_id: str, now: float | None = None) -> None:
+        with self._lock:
+            self._pending.setdefault(engine_id, deque()).append(self._clock() if now is None else now)
+
+    def pending(self, now: float | None = None) -> dict[str, int]:
+        now = self._clock() if now is None else now
+        cutoff = now - self.settings.pending_ttl_s
+        out = {}
+        with self._lock:
+            for eid, q in self._pending.items():
+                while q and q[0] < cutoff:
+                    q.popleft()
+                if q:
+                    out[eid] = len(q)
+        return out
+
+    def age(self, engine_id: str, now: float | None = None) -> float | None:
+        born = self._born.get(engine_id)
+        if born is None:
+            return None
+        return (self._clock() if now is None else now) - born
+
+    def rank(self, candidates, now: float | None = None) -> list[str] | None:
+        """Fresh candidates, best first; None when none has a fresh state."""
+        now = self._clock() if now is None else now
+        states, born, limit = self._states, self._born, self.settings.stale_after_s
+        fresh = {e: states[e] for e in candidates if e in states and now - born[e] <= limit}
+        if not fresh:
+            return None
+        return rank_engines(fresh, self.pending(now), self.settings)
+
+    def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
+        self.latency.add(seconds)
+        if chosen is None:
+            self.fallbacks += 1
+            return
+        self.decisions[chosen] = self.decisions.get(chosen, 0) + 1
+        age = self.age(chosen, now)
+        if age is not None:
+            self.state_age.add(age)
+
+    def view(self, now: float | None = None) -> dict:
+        now = self._clock() if now is None else now
+        pending = self.pending(now)
+        engines = []
+        for eid, st in sorted(self._states.items()):
+            age = now - self._born[eid]
+            engines.append({**st.to_dict(), "age_s": round(age, 4),
+                            "fresh": age <= self.settings.stale_after_s,
+                            "slack_s": round(slack(st, self.settings), 3),
+                            "pending": pending.get(eid, 0),
+                            "routed": self.decisions.get(eid, 0)})
+        return {"engines": engines, "fallbacks": self.fallbacks,
+                "routing_latency": self.latency.summary(),
+                "state_age_at_decision": self.state_age.summary()}
