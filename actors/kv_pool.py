@@ -37,8 +37,15 @@ class KVPoolSettings:
     """The `kv_pool:` block of the app args (deployments/configs/*.yaml)."""
 
     enabled: bool = True
+    # Give each engine a host KV tier (kv_offload/, vLLM's OffloadingConnector)
+    # of its share of this pool: pauses then reload instead of recompute.
+    offload: bool = False
     size_bytes: int | None = None  # host KV pool per node; None: ram_fraction of the node's RAM
     ram_fraction: float = 0.2
+    # Engines a node runs at most (GPUs per node; replicas on a CPU box):
+    # each engine's tier is fixed at size / engines_per_node when it starts,
+    # so the engines of a node never hold more than the node's pool.
+    engines_per_node: int = 1
     report_interval_s: float = 1.0  # how often engines report their counters
     engine_ttl_s: float = 30.0  # an engine silent this long gives its share back
 
@@ -47,6 +54,8 @@ class KVPoolSettings:
             raise ValueError(f"kv_pool.size_bytes must be a byte count, got {self.size_bytes!r}")
         if not (0 < self.ram_fraction < 1):
             raise ValueError(f"kv_pool.ram_fraction must be in (0, 1), got {self.ram_fraction!r}")
+        if not (isinstance(self.engines_per_node, int) and self.engines_per_node >= 1):
+            raise ValueError(f"kv_pool.engines_per_node must be a positive integer, got {self.engines_per_node!r}")
         for name in ("report_interval_s", "engine_ttl_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -59,12 +68,21 @@ class KVPoolSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def node_bytes(self) -> int:
+        return self.size_bytes if self.size_bytes is not None else int(node_ram_bytes() * self.ram_fraction)
+
+    def engine_bytes(self) -> int:
+        """One engine's fixed share: the size of its host KV tier."""
+        return self.node_bytes() // self.engines_per_node
+
 
 class PoolAccounting:
     """Quotas and counters of one node's pool (pure; the actor wraps it)."""
 
-    def __init__(self, total_bytes: int, engine_ttl_s: float = 30.0, clock=time.monotonic):
+    def __init__(self, total_bytes: int, engine_ttl_s: float = 30.0, clock=time.monotonic,
+                 engines_per_node: int = 1):
         self.total_bytes = int(total_bytes)
+        self.engines_per_node = engines_per_node
         self.engine_ttl_s = engine_ttl_s
         self.clock = clock
         self.engines: dict[str, dict] = {}  # id -> {"counters": {...}, "seen": t}
@@ -77,7 +95,9 @@ class PoolAccounting:
     def quota(self, engine_id: str) -> int:
         if engine_id not in self.engines:
             return 0
-        return self.total_bytes // len(self.engines)
+        # Shares are fixed by engines_per_node (an engine sizes its tier once,
+        # at start); more engines than that split the pool further.
+        return self.total_bytes // max(len(self.engines), self.engines_per_node)
 
     def register(self, engine_id: str) -> int:
         self._expire()
@@ -114,10 +134,9 @@ def node_ram_bytes() -> int:
 class KVPoolActor:
     def __init__(self, node_id: str, settings: dict | None = None):
         s = KVPoolSettings.from_dict(settings)
-        total = s.size_bytes if s.size_bytes is not None else int(node_ram_bytes() * s.ram_fraction)
         self.node_id = node_id
         self.running_on = ray.get_runtime_context().get_node_id()
-        self.pool = PoolAccounting(total, s.engine_ttl_s)
+        self.pool = PoolAccounting(s.node_bytes(), s.engine_ttl_s, engines_per_node=s.engines_per_node)
 
     def register_engine(self, engine_id: str) -> int:
         return self.pool.register(engine_id)

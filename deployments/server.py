@@ -90,6 +90,7 @@ class TokenFlowLLMServer(LLMServer):
         self._kv_settings = KVPoolSettings.from_dict(cluster.get("kv_pool"))
         self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s)
         self._agent = None
+        _enable_offload(llm_config, self._kv_settings)
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
@@ -127,6 +128,17 @@ class TokenFlowLLMServer(LLMServer):
         if getattr(self, "_agent", None) is not None:
             self._agent.stop()
         await super().__del__()
+
+
+def _enable_offload(llm_config, kv: KVPoolSettings) -> None:
+    """Give the engine its host KV tier: its fixed share of the node's pool."""
+    if not (kv.enabled and kv.offload) or "kv_transfer_config" in llm_config.engine_kwargs:
+        return  # off, or the user configured a connector of their own
+    import kv_offload
+
+    # update_engine_kwargs also reaches the engine config Ray may have built.
+    llm_config.update_engine_kwargs(kv_transfer_config=kv_offload.kv_transfer_config(
+        host_pool_bytes=kv.engine_bytes(), tokenflow_connector=True))
 
 
 def _start_agent(tracker, router: RouterSettings, kv: KVPoolSettings, scheduler_state=None):

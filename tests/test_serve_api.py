@@ -115,3 +115,25 @@ def test_openai_client_raises_on_bad_rate(client, serve_app):
                                        messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"consumption_rate": "NaN"})
     assert "consumption_rate" in str(e.value)
+
+
+def test_engines_share_the_node_host_pool(client, serve_app):
+    """local.yaml: offload on, 256 MiB per node, two engines: each engine's
+    host tier is half, and together they stay within the node's pool."""
+    import yaml
+
+    from tests.conftest import LOCAL_CONFIG
+
+    args = yaml.safe_load(open(LOCAL_CONFIG))["applications"][0]["args"]
+    node_pool = args["kv_pool"]["size_bytes"]
+    kv_bytes = args["engine_kwargs"]["kv_cache_memory_bytes"]
+    engines = httpx.get(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30).json()["engines"]
+    assert len(engines) == 2
+    tiers = []
+    for e in engines:
+        sched = e["scheduler"]
+        assert sched["policy"] == "tokenflow", "the TokenFlow scheduler runs inside each engine"
+        bytes_per_block = kv_bytes // sched["kv_total_blocks"]
+        tiers.append(sched["host_pool_blocks"] * bytes_per_block)
+    assert all(t > 0 for t in tiers)
+    assert tiers[0] == tiers[1] and sum(tiers) <= node_pool
