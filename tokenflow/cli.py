@@ -1,4 +1,4 @@
-"""`tokenflow` command line: tiny-model, serve."""
+"""`tokenflow` command line: tiny-model, serve, bench, loadtest, dashboards."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ def _cmd_bench(args) -> int:
     wl.arrivals()  # validates the kind before any engine starts
     eng = EngineSettings(model=args.model, kv_cache_memory_bytes=args.kv_bytes or None,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         block_size=args.block_size or None, extra=json.loads(args.engine_args),
-                         tokenflow=json.loads(args.tokenflow))
+                         block_size=args.block_size or None, offload_bytes=args.offload_bytes,
+                         extra=json.loads(args.engine_args),
+                         tokenflow={"dt": 0.1, **json.loads(args.tokenflow)})
     summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots)
     print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
     print(f"wrote {args.out}/summary.json")
@@ -62,6 +63,63 @@ def _loadtest():
 
 def _cmd_loadtest(args) -> int:
     return _loadtest().run(args)
+
+
+def _dashboards_module():
+    # dashboards/ sits beside tokenflow/ in the checkout (not an installed package).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "dashboards" / "generate.py"
+    if not path.is_file():
+        raise OSError(f"no dashboard generator at {path} (run from a TokenFlow checkout)")
+    spec = importlib.util.spec_from_file_location("tokenflow_dashboards_generate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cmd_dashboards(args) -> int:
+    from pathlib import Path
+
+    gen = _dashboards_module()
+    if args.action == "generate":
+        for path in gen.write(Path(args.dir) if args.dir else gen.OUT_DIR):
+            print(f"wrote {path}")
+        return 0
+    return push_dashboards(args.url, args.token, Path(args.dir) if args.dir else gen.OUT_DIR,
+                           folder_uid=args.folder_uid, timeout=args.timeout)
+
+
+def push_dashboards(url: str, token: str | None, directory, folder_uid: str | None = None,
+                    timeout: float = 10.0) -> int:
+    """Upload every dashboards/*.json to Grafana (overwriting by uid)."""
+    import niquests
+    from grafana_client import GrafanaApi
+    from grafana_client.client import GrafanaException
+
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        print(f"tokenflow: error: no dashboard JSON in {directory}", file=sys.stderr)
+        return 2
+    try:
+        api = GrafanaApi.from_url(url, credential=token or None, timeout=timeout)
+        api.health.check()
+    except (GrafanaException, niquests.exceptions.RequestException, OSError, ValueError) as e:
+        print(f"tokenflow: error: cannot reach Grafana at {url}: {e}", file=sys.stderr)
+        return 1
+    for path in files:
+        body = {"dashboard": json.loads(path.read_text()), "overwrite": True,
+                "message": "tokenflow dashboards push"}
+        if folder_uid:
+            body["folderUid"] = folder_uid
+        try:
+            res = api.dashboard.update_dashboard(body)
+        except (GrafanaException, niquests.exceptions.RequestException, OSError) as e:
+            print(f"tokenflow: error: Grafana at {url} refused {path.name}: {e}", file=sys.stderr)
+            return 1
+        print(f"pushed {path.name}: {url.rstrip('/')}{res.get('url', '')}")
+    return 0
 
 
 def _positive_int(s: str) -> int:
@@ -103,22 +161,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schedulers", nargs="+", default=["fcfs", "andes", "tokenflow"],
                    choices=["fcfs", "andes", "tokenflow"])
     c.add_argument("--workload", choices=["burst", "poisson"], default="burst")
-    c.add_argument("--requests", type=_positive_int, default=64)
+    c.add_argument("--requests", type=_positive_int, default=128)
     c.add_argument("--poisson-rate", type=_positive_float, default=8.0, help="requests/s for --workload poisson")
     c.add_argument("--rates", type=_positive_float, nargs="+", default=[10.0, 20.0, 40.0],
                    help="reading rates (tokens/s) drawn per request")
     c.add_argument("--prompt-tokens", type=_positive_int, default=64)
-    c.add_argument("--output-tokens", type=_positive_int, default=256)
+    c.add_argument("--output-tokens", type=_positive_int, default=1024)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--model", default="models/tiny-llama")
-    c.add_argument("--kv-bytes", type=int, default=8 << 20, help="KV pool bytes (0: vLLM's default)")
+    c.add_argument("--kv-bytes", type=int, default=32 << 20, help="KV pool bytes (0: vLLM's default)")
+    c.add_argument("--offload-bytes", type=int, default=256 << 20,
+                   help="host KV tier per engine, same for every scheduler (0: none)")
     c.add_argument("--max-num-seqs", type=_positive_int, default=32)
-    c.add_argument("--max-model-len", type=_positive_int, default=1024)
+    c.add_argument("--max-model-len", type=_positive_int, default=2048)
     c.add_argument("--block-size", type=int, default=32, help="0: vLLM's default")
     c.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine args")
-    c.add_argument("--tokenflow", default="{}", help="JSON of TokenFlowConfig overrides")
+    c.add_argument("--tokenflow", default="{}", help="JSON of TokenFlowConfig overrides (dt defaults to 0.1 here)")
     c.add_argument("--no-plots", action="store_true")
     c.set_defaults(func=_cmd_bench)
+    d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
+    d.add_argument("action", choices=["generate", "push"])
+    d.add_argument("--url", help="Grafana base URL, e.g. http://127.0.0.1:3000 (push)")
+    d.add_argument("--token", help="Grafana service account token (push)")
+    d.add_argument("--dir", help="dashboard JSON directory (default: the checkout's dashboards/)")
+    d.add_argument("--folder-uid", help="Grafana folder to put them in (push; default: General)")
+    d.add_argument("--timeout", type=_positive_float, default=10.0, help="seconds per Grafana request")
+    d.set_defaults(func=_cmd_dashboards)
     lt = sub.add_parser("loadtest", help="streaming readers against a running app, with Locust (headless)")
     _loadtest().add_arguments(lt)
     lt.set_defaults(func=_cmd_loadtest)
@@ -126,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "dashboards" and args.action == "push" and not args.url:
+        parser.error("dashboards push needs --url")
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # JSONDecodeError is a ValueError

@@ -31,7 +31,7 @@ class TokenFlowConfig:
     # Priority bonus (tokens) of a running request over a paused one: a
     # paused request displaces a running one only when it is this much more
     # valuable, so equal requests do not swap every interval.
-    switch_margin: float = 10.0
+    switch_margin: float = 30.0
     # A running request whose buffer holds less than this many seconds of
     # reading puts the engine "under stress" and triggers a reschedule; a
     # paused request below it must resume first.

@@ -132,11 +132,6 @@ class TokenFlowPolicy:
         candidates = active + waiting[:room]  # the rest stay deferred
         key = self.rank_key_fn(eng)
         keys = [key(r) for r in candidates]
-        n_pinned = sum(k < -PINNED / 2 for k in keys)
-        if n_pinned > eng.max_num_seqs:
-            # More readers about to run dry than the engine can serve at once:
-            # pausing would only thrash (paper step 5's overload case).
-            return fcfs_decision(reqs)
         order = sorted(range(len(candidates)), key=keys.__getitem__)
         chosen = self.pack([candidates[i] for i in order], eng)
         return self.to_decision(reqs, chosen, eng)
