@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from loadtest.shapes import add_workload_arguments, schedule_from_args, time_limit
+from tokenflow.launcher import stop as stop_group
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 ROOT = LOCUSTFILE.parent.parent
@@ -79,19 +80,6 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _stop(proc: subprocess.Popen, wait: float) -> None:
-    """SIGINT the child's process group (Locust stops and writes its
-    reports; it ignores SIGTERM during a shape run), SIGKILL if it lingers."""
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=wait)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def run(args) -> int:
     """Validate, run Locust, write summary.json; Locust's exit code (1: some failed)."""
     check_host(args.host, args.allow_remote)
@@ -113,10 +101,10 @@ def run(args) -> int:
         rc = proc.wait(timeout=limit + SHUTDOWN_GRACE_S)
     except subprocess.TimeoutExpired:
         print(f"loadtest: Locust did not stop within {limit + SHUTDOWN_GRACE_S:.0f} s; stopping it", file=sys.stderr)
-        _stop(proc, 30.0)
+        stop_group(proc, 30.0)  # SIGINT: Locust writes its reports (it ignores SIGTERM in a shape run)
         rc = 124
     except KeyboardInterrupt:
-        _stop(proc, 30.0)
+        stop_group(proc, 30.0)  # SIGINT: Locust writes its reports (it ignores SIGTERM in a shape run)
         rc = 130
 
     records = read_jsonl(out / "requests.jsonl")

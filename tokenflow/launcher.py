@@ -87,7 +87,8 @@ def start(config: str, log=None) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGINT the whole group (serve shuts the app and Ray down), then kill."""
+    """SIGINT the whole process group, then SIGKILL it after `grace` s.
+    (`serve run` shuts the app and Ray down on SIGINT; Locust writes its reports.)"""
     if proc.poll() is not None:
         return
     try:
