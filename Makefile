@@ -8,7 +8,9 @@ MODEL ?= models/tiny-llama
 CONFIG ?= deployments/configs/local.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test clean
+PROMETHEUS ?= /usr/bin/prometheus
+
+.PHONY: install model serve test clean prometheus
 
 install: $(STAMP)
 
@@ -28,7 +30,15 @@ $(MODEL)/model.safetensors: $(STAMP)
 serve: install model
 	$(VENV)/bin/tokenflow serve $(CONFIG)
 
-test: install model
+# tests/test_observability.py scrapes the app with a real Prometheus:
+# Debian's package (2.42), installed once (as root, or through sudo).
+prometheus:
+	@test -x $(PROMETHEUS) || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install model prometheus
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -29,7 +29,7 @@ logger = logging.getLogger("ray.serve")
 
 class EngineAgent:
     def __init__(self, tracker: EngineTracker, router: RouterSettings, kv: kv_pool.KVPoolSettings,
-                 *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None):
+                 *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None, metrics=None):
         self.tracker = tracker
         self.router_settings = router
         self.kv_settings = kv
@@ -47,6 +47,8 @@ class EngineAgent:
         self._scheduler_state = scheduler_state
         self.sched: dict = {}
         self._sched_at = -1e9
+        # tokenflow.metrics.EngineMetrics, or None: sampled every METRICS_INTERVAL_S
+        self.metrics = metrics
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
@@ -61,6 +63,10 @@ class EngineAgent:
         if self._scheduler_state is not None:
             self._tasks.append(loop.create_task(
                 self._loop("scheduler poll", self._poll, self.router_settings.push_interval_s, give_up_after=10)))
+        if self.metrics is not None:
+            from tokenflow.metrics import METRICS_INTERVAL_S
+
+            self._tasks.append(loop.create_task(self._loop("metrics", self._sample, METRICS_INTERVAL_S)))
 
     def _fresh_sched(self) -> dict:
         # Older than a few pushes: the EngineCore is busy or stuck; go without.
@@ -93,6 +99,12 @@ class EngineAgent:
         self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0) or {}
         self._sched_at = time.monotonic()
         return bool(self.sched)  # {}: not a TokenFlow scheduler, nothing to poll
+
+    async def _sample(self) -> None:
+        """Gauges, buffer occupancy and the scheduler's counters, for Prometheus."""
+        now = self.tracker.clock()
+        self.metrics.sample_streams(self.tracker.running_buffers(now), self.tracker.state(now))
+        self.metrics.sample_scheduler(self._fresh_sched())
 
     def _check_last_push(self) -> None:
         # A push we never awaited may have failed because the actor is gone

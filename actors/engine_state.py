@@ -81,12 +81,17 @@ def count_chunk(item: Any) -> tuple[int, int | None]:
 
 
 class EngineTracker:
-    """Open requests of one engine and its recent decode rate."""
+    """Open requests of one engine and its recent decode rate.
 
-    def __init__(self, horizon_s: float = 10.0, window_s: float = 2.0, clock=time.monotonic):
+    `sink` (optional; tokenflow.metrics.EngineMetrics in a replica) hears
+    each request's first token, the gaps between its token-bearing chunks,
+    its tokens and its end; a failing sink never disturbs a stream."""
+
+    def __init__(self, horizon_s: float = 10.0, window_s: float = 2.0, clock=time.monotonic, sink=None):
         self.horizon_s = horizon_s
         self.window_s = window_s
         self.clock = clock
+        self.sink = sink
         self._streams: dict[int, ReaderBuffer] = {}
         self._unary: set[int] = set()
         self._next = 0
@@ -105,19 +110,40 @@ class EngineTracker:
             self._unary.add(self._next)
         return self._next
 
+    def _tell(self, event: str, *args, **kwargs) -> None:
+        if self.sink is None:
+            return
+        try:
+            getattr(self.sink, event)(*args, **kwargs)
+        except Exception:  # metrics must never break a stream
+            pass
+
     def add_tokens(self, handle: int, n: int, now: float) -> None:
         if n <= 0:
             return
         reader = self._streams.get(handle)
         if reader is not None:
+            if reader.first_token_time is None:
+                self._tell("on_first_token", now - reader.arrival_time)
+            else:
+                self._tell("on_gap", now - reader.arrivals[-1])
             reader.on_tokens(now, n)
         self._window.append((now, n))
         self._window_tokens += n
         self.tokens_total += n
+        self._tell("on_tokens", n)
 
-    def close(self, handle: int, now: float) -> None:
-        self._streams.pop(handle, None)
+    def close(self, handle: int, now: float, status: str = "ok") -> None:
+        """`status`: ok, error or cancelled (for the finished-requests metric)."""
+        reader = self._streams.pop(handle, None)
+        known = reader is not None or handle in self._unary
         self._unary.discard(handle)
+        if known:
+            self._tell("on_finish", reader, stream=reader is not None, status=status, now=now)
+
+    def running_buffers(self, now: float) -> list[float]:
+        """Buffered seconds of every stream that has had its first token."""
+        return [r.buffer_seconds(now) for r in list(self._streams.values()) if r.first_token_time is not None]
 
     def decode_tps(self, now: float) -> float:
         while self._window and self._window[0][0] < now - self.window_s:
@@ -159,6 +185,7 @@ async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, s
     closed in `finally`, so a cancelled or failed stream never stays open."""
     handle = tracker.open(rate, stream, arrival)
     counted = 0
+    status = "cancelled"  # unless it ends normally or fails
     try:
         async for item in gen:
             n, usage = count_chunk(item)
@@ -167,9 +194,16 @@ async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, s
             if n:
                 tracker.add_tokens(handle, n, tracker.clock())
                 counted += n
+            if getattr(item, "error", None) is not None:  # an ErrorResponse object
+                status = "error"
             yield item
+        if status != "error":
+            status = "ok"
+    except Exception:
+        status = "error"
+        raise
     finally:
-        tracker.close(handle, tracker.clock())
+        tracker.close(handle, tracker.clock(), status)
         # Close the inner stream now (not at garbage collection) so a client
         # that went away releases its engine request promptly.
         aclose = getattr(gen, "aclose", None)

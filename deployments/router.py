@@ -26,12 +26,12 @@ from typing import List, Optional
 
 from fastapi.responses import JSONResponse
 from ray import serve
-from ray.util import metrics
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 from actors import kv_pool, ranking
 from actors import router as router_actor
+from tokenflow.metrics import RouterMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,14 +43,8 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         self._tf_refresher: Optional[asyncio.Task] = None
         key = f"{self._deployment_id.app_name}/{self._deployment_id.name}#{id(self):x}"
         router_actor.LOCAL_ROUTERS[key] = self._tf_table
-        # Also exported through Ray's metrics agent (ray_tokenflow_router_*).
-        tags = {"application": self._deployment_id.app_name, "deployment": self._deployment_id.name}
-        self._tf_choose_ms = metrics.Histogram(
-            "tokenflow_router_choose_ms", description="Time inside choose_replicas (ms).",
-            boundaries=[0.01, 0.03, 0.1, 0.3, 1, 2, 5, 10, 50], tag_keys=tuple(tags)).set_default_tags(tags)
-        self._tf_state_age_ms = metrics.Histogram(
-            "tokenflow_router_state_age_ms", description="Age of the chosen engine's state at decision (ms).",
-            boundaries=[10, 25, 50, 100, 200, 300, 500, 1000, 2000], tag_keys=tuple(tags)).set_default_tags(tags)
+        # Exported through Ray's metrics agent (ray_tokenflow_router_*; tokenflow/metrics.py).
+        self._tf_metrics = RouterMetrics(self._deployment_id.app_name, self._deployment_id.name)
         try:  # Serve builds routers on their event loop: start reading states now
             self._tf_refresher = asyncio.get_running_loop().create_task(self._refresh())
         except RuntimeError:
@@ -102,10 +96,7 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
     def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:
         seconds = time.perf_counter() - start
         table.record(seconds, chosen)
-        self._tf_choose_ms.observe(1000 * seconds)
-        age = table.age(chosen) if chosen is not None else None
-        if age is not None:
-            self._tf_state_age_ms.observe(1000 * age)
+        self._tf_metrics.on_decision(seconds, chosen, table.age(chosen) if chosen is not None else None)
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)

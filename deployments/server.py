@@ -10,7 +10,9 @@ validates the rate and writes it into `vllm_xargs` before the engine sees it.
 It also keeps the replica's own view of its streams (one ReaderBuffer per
 streaming request, fed from the chunks it sends) and, under Serve, starts an
 EngineAgent that pushes that state to the app's router actor and registers
-with the node's KV pool actor (actors/).
+with the node's KV pool actor (actors/), and exports the replica's
+Prometheus metrics (tokenflow/metrics.py: per request from the tracker,
+sampled by the agent).
 """
 
 from __future__ import annotations
@@ -88,13 +90,14 @@ class TokenFlowLLMServer(LLMServer):
         cluster = tokenflow_cluster or {}
         self._router_settings = RouterSettings.from_dict(cluster.get("router"))
         self._kv_settings = KVPoolSettings.from_dict(cluster.get("kv_pool"))
-        self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s)
+        self._metrics = _engine_metrics(llm_config)
+        self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s, sink=self._metrics)
         self._agent = None
         _enable_offload(llm_config, self._kv_settings)
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
-                                   self._scheduler_state)
+                                   self._scheduler_state, self._metrics)
 
     async def _scheduler_state(self) -> dict:
         """The TokenFlow scheduler's summary, via its EngineCore utility
@@ -141,8 +144,20 @@ def _enable_offload(llm_config, kv: KVPoolSettings) -> None:
         host_pool_bytes=kv.engine_bytes(), tokenflow_connector=True))
 
 
-def _start_agent(tracker, router: RouterSettings, kv: KVPoolSettings, scheduler_state=None):
-    if not (router.enabled or kv.enabled):
+def _engine_metrics(llm_config):
+    """This replica's Prometheus metrics, tagged with the model and the
+    engine id the router uses; None outside a Serve replica."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # built outside a Serve replica (e.g. a unit test)
+        return None
+    from tokenflow.metrics import EngineMetrics
+
+    return EngineMetrics(model=llm_config.model_id, engine=ctx.replica_id.unique_id)
+
+
+def _start_agent(tracker, router: RouterSettings, kv: KVPoolSettings, scheduler_state=None, metrics=None):
+    if not (router.enabled or kv.enabled or metrics is not None):
         return None
     try:
         ctx = serve.get_replica_context()
@@ -151,6 +166,7 @@ def _start_agent(tracker, router: RouterSettings, kv: KVPoolSettings, scheduler_
     from actors.engine_agent import EngineAgent
 
     agent = EngineAgent(tracker, router, kv, app_name=ctx.app_name, engine_id=ctx.replica_id.unique_id,
-                        replica=ctx.replica_id.to_full_id_str(), scheduler_state=scheduler_state)
+                        replica=ctx.replica_id.to_full_id_str(), scheduler_state=scheduler_state,
+                        metrics=metrics)
     agent.start()
     return agent

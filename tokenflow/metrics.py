@@ -10,7 +10,8 @@ The agent prefixes every name with `ray_`; Prometheus then sees a counter
 vLLM's own metrics keep their names (`ray_vllm_*`).
 
 Engine metrics carry the tags `model` and `engine` (the Serve replica's id,
-the same id the router uses). What feeds them:
+the same id the router uses, and the `ReplicaId` label on vLLM's
+`ray_vllm_*` metrics of that replica). What feeds them:
 
 - per request (deployments/server.py through actors/engine_state.py), from
   the chunks the replica sends and the replica's ReaderBuffer of the stream:
@@ -31,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 PREFIX = "ray_"  # added by Ray's metrics agent
-METRICS_INTERVAL_S = 0.5  # sampling period of gauges and buffer occupancy
+METRICS_INTERVAL_S = 0.25  # sampling period of gauges and buffer occupancy
 
 # Chat: a first token within 50 ms is instant, 30 s is a lost user.
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0)
