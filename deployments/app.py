@@ -34,6 +34,11 @@ typo never silently falls back to a default):
                        enabled, size_bytes (per node; default ram_fraction of
                        the node's RAM), ram_fraction (0.2), report_interval_s,
                        engine_ttl_s
+  admission            the ingress's front door (deployments/guard.py AdmissionSettings):
+                       max_ongoing_requests (POSTs to /v1/ in flight per ingress
+                       replica; beyond: 429 + Retry-After), retry_after_s,
+                       max_body_bytes (larger: 413), max_n (larger n: 400). API keys come only from the
+                       env (TOKENFLOW_API_KEYS / TOKENFLOW_API_KEYS_FILE).
 
 The HTTP ingress serves the OpenAI API plus GET /health and
 GET /v1/tokenflow/engines (each engine's state as the router sees it).
@@ -69,6 +74,7 @@ DEFAULTS = {
     "experimental_configs": {},
     "router": None,
     "kv_pool": None,
+    "admission": None,
 }
 
 ROUTER_CLASS = "deployments.router:TokenFlowRequestRouter"
@@ -125,6 +131,8 @@ def resolve_args(args: dict | None) -> dict:
             out[key] = kind(out[key])
     out["engine_kwargs"] = merge_tokenflow_config(out["engine_kwargs"], out["tokenflow"])
     out["router"], out["kv_pool"] = cluster_settings(out)
+    from deployments.guard import AdmissionSettings
+    out["admission"] = AdmissionSettings.from_dict(out["admission"]).to_dict()
     return out
 
 
@@ -214,9 +222,10 @@ def build_app(args: dict | None = None):
     from ray import serve
     from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-    from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+    from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi, make_fastapi_ingress
     from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
+    from deployments import guard
     from deployments.router import TOKENFLOW_ENDPOINTS, TokenFlowIngress
 
     llm_config, a = build_llm_config(args)
@@ -230,7 +239,9 @@ def build_app(args: dict | None = None):
         ingress_config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
     options = maybe_apply_llm_deployment_config_defaults(
         TokenFlowIngress.get_deployment_options([llm_config]), ingress_config)
-    ingress_cls = make_fastapi_ingress(TokenFlowIngress, endpoint_map=TOKENFLOW_ENDPOINTS)
+    fastapi_app = init_fastapi()
+    guard.install(fastapi_app, a["admission"])  # API keys, admission bound, body limit
+    ingress_cls = make_fastapi_ingress(TokenFlowIngress, endpoint_map=TOKENFLOW_ENDPOINTS, app=fastapi_app)
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: engines},
         model_cards={llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)},

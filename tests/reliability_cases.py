@@ -1,0 +1,214 @@
+"""Bad-input cases for the live app: the single source of truth for
+tests/test_reliability.py and docs/RELIABILITY.md.
+
+Each case: the request (path, JSON `body` or raw `raw` bytes, extra
+headers, method) and the response observed on the local.yaml app
+(`status`, and `message`: the JSON error message, compared exactly after
+`normalize`). `note` goes to the doc.
+
+    python -m tests.reliability_cases        # rewrite docs/RELIABILITY.md from CASES
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
+MODEL = "MODEL"  # replaced by the app's model id
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": HI, "max_tokens": 2, **kw}
+
+
+def comp(**kw):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+CASES = [
+    dict(name="malformed JSON", path=CHAT, raw=b'{"model": "MODEL", "messages": [', status=400, message="Invalid request format: JSON decode error at ('body', 37)"),
+    dict(name="body is a JSON array", path=CHAT, raw=b'[1, 2, 3]', status=400, message="Invalid request format: Input should be a valid dictionary or object to extract fields from at ('body',)"),
+    dict(name="empty body", path=CHAT, raw=b"", status=400, message="Invalid request format: Field required at ('body',)"),
+    dict(name="invalid UTF-8 bytes in body", path=COMP,
+         raw=b'{"model": "MODEL", "prompt": "\xff\xfe\xc3\x28", "max_tokens": 2}', status=400, message='There was an error parsing the body'),
+    dict(name="wrong content type (text/plain)", path=COMP, body=comp(),
+         headers={"Content-Type": "text/plain"}, status=415, message="Unsupported Content-Type 'text/plain': send application/json"),
+    dict(name="body over 8 MiB", path=COMP, raw=b'{"model": "MODEL", "prompt": "' + b"a" * (9 * 2**20) + b'"}',
+         status=413, message='Request body larger than 8388608 bytes'),
+    dict(name="GET on a POST route", path=COMP, method="GET", status=405, message='Method Not Allowed'),
+    dict(name="unknown route", path="/v1/no-such-route", body=comp(), status=404, message='Not Found'),
+    dict(name="missing model", path=COMP, body={"prompt": "hi", "max_tokens": 2}, status=200, message=None),
+    dict(name="unknown model", path=COMP, body={**comp(), "model": "no-such-model"}, status=404, message='Got request for model "no-such-model". Could not find base model with ID "no-such-model".'),
+    dict(name="model is a number", path=COMP, body={**comp(), "model": 7}, status=400, message="Invalid request format: Input should be a valid string at ('body', 'model')"),
+    dict(name="missing messages", path=CHAT, body={"model": MODEL, "max_tokens": 2}, status=400, message="Invalid request format: Field required at ('body', 'messages')"),
+    dict(name="messages is a string", path=CHAT, body=chat(messages="hi"), status=400, message="Invalid request format: Input should be a valid list at ('body', 'messages')"),
+    dict(name="empty messages list", path=CHAT, body=chat(messages=[]), status=400, message='Message: Cannot apply chat template to an empty conversation. Provide at least one message. (Request ID: <id>)'),
+    dict(name="unknown role", path=CHAT, body=chat(messages=[{"role": "wizard", "content": "hi"}]),
+         status=200, message=None),
+    dict(name="content is a number", path=CHAT, body=chat(messages=[{"role": "user", "content": 42}]),
+         status=400, message="Invalid request format: Input should be a valid string at ('body', 'messages', 0, 'ChatCompletionDeveloperMessageParam', 'content', 'str')"),
+    dict(name="3000 messages (over the context)", path=CHAT,
+         body=chat(messages=[{"role": "user", "content": "hi"}] * 3000), status=400, message="Message: This model's maximum context length is 2048 tokens. However, your prompt contains 36014 characters (more than 18432 characters, which is the upper bound for 2048 input tokens). Please reduce the length of the input prompt. (parameter=input_text, value=36014) (Request ID: <id>)"),
+    dict(name="empty prompt", path=COMP, body=comp(prompt=""), status=400, message='Message: vllm.exceptions.VLLMValidationError: Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt) (Request ID: <id>)'),
+    dict(name="prompt is an object", path=COMP, body=comp(prompt={"text": "hi"}), status=400, message="Invalid request format: Input should be a valid list at ('body', 'prompt', 'list[constrained-int]')"),
+    dict(name="prompt longer than the context", path=COMP, body=comp(prompt="river " * 5000),
+         status=400, message="Message: This model's maximum context length is 2048 tokens. However, your prompt contains 30000 characters (more than 18432 characters, which is the upper bound for 2048 input tokens). Please reduce the length of the input prompt. (parameter=input_text, value=30000) (Request ID: <id>)"),
+    dict(name="max_tokens negative", path=COMP, body=comp(max_tokens=-5), status=400, message='Message: max_tokens must be at least 1, got -5. (parameter=max_tokens, value=-5) (Request ID: <id>)'),
+    dict(name="max_tokens zero", path=COMP, body=comp(max_tokens=0), status=400, message='Message: max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0) (Request ID: <id>)'),
+    dict(name="max_tokens over the context", path=COMP, body=comp(max_tokens=100000), status=400, message='Message: max_tokens=100000 cannot be greater than max_model_len=2048. Please request fewer output tokens. (parameter=max_tokens, value=100000) (Request ID: <id>)'),
+    dict(name="max_tokens is a string", path=COMP, body=comp(max_tokens="many"), status=400, message="Invalid request format: Input should be a valid integer, unable to parse string as an integer at ('body', 'max_tokens')"),
+    dict(name="temperature negative", path=COMP, body=comp(temperature=-1), status=400, message='Message: temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0) (Request ID: <id>)'),
+    dict(name="temperature 1000", path=COMP, body=comp(temperature=1000), status=400, message='Message: temperature must be in [0, 2], got 1000.0. (parameter=temperature, value=1000.0) (Request ID: <id>)'),
+    dict(name="top_p 2", path=COMP, body=comp(top_p=2), status=400, message='Message: top_p must be in (0, 1], got 2.0. (parameter=top_p, value=2.0) (Request ID: <id>)'),
+    dict(name="presence_penalty 10", path=COMP, body=comp(presence_penalty=10), status=400, message='Message: presence_penalty must be in [-2, 2], got 10.0. (Request ID: <id>)'),
+    dict(name="n = 0", path=COMP, body=comp(n=0), status=400, message='Message: n must be at least 1, got 0. (Request ID: <id>)'),
+    dict(name="n = 1000", path=COMP, body=comp(n=1000), status=400, message='n must be at most 16, got 1000'),
+    dict(name="completion logprobs 100", path=COMP, body=comp(logprobs=100), status=400, message='Message: Requested sample logprobs of 100, which is greater than max allowed: 20 (parameter=logprobs, value=100) (Request ID: <id>)'),
+    dict(name="chat top_logprobs 1000", path=CHAT, body=chat(logprobs=True, top_logprobs=1000),
+         status=400, message='Message: Requested sample logprobs of 1000, which is greater than max allowed: 20 (parameter=logprobs, value=1000) (Request ID: <id>)'),
+    dict(name="chat top_logprobs without logprobs", path=CHAT, body=chat(top_logprobs=5), status=400, message='Message: vllm.exceptions.VLLMValidationError: when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs) (Request ID: <id>)'),
+    dict(name="seed 2**70", path=COMP, body=comp(seed=2**70), status=400, message="Invalid request format: Input should be less than or equal to 9223372036854775807 at ('body', 'seed')"),
+    dict(name="stream is a string", path=COMP, body=comp(stream="yes"), status=200, message="<non-JSON body starting 'data: '>"),
+    dict(name="unknown top-level field", path=COMP, body=comp(frobnicate=1), status=200, message=None),
+    dict(name="consumption_rate negative", path=COMP, body=comp(consumption_rate=-1), status=400, message='Message: consumption_rate must be a positive, finite number (tokens/s) (Request ID: <id>)'),
+    dict(name="consumption_rate a string", path=COMP, body=comp(consumption_rate="fast"),
+         status=400, message='Message: consumption_rate must be a number (tokens/s) (Request ID: <id>)'),
+    dict(name="consumption_rate twice, different", path=COMP,
+         body=comp(consumption_rate=10, vllm_xargs={"consumption_rate": 20}), status=400, message='Message: consumption_rate given twice with different values (10 and vllm_xargs 20) (Request ID: <id>)'),
+]
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_ID_IN_TEXT = re.compile(r"\b(cmpl|chatcmpl)-[0-9a-f-]+")
+
+
+def normalize(message):
+    """Mask what changes run to run (request and completion ids), drop Ray's
+    ", Internal exception: ..." tail (the same text again) and cut to 300 chars."""
+    if message is None:
+        return None
+    text = _UUID.sub("<id>", _ID_IN_TEXT.sub(r"\1-<id>", str(message)))
+    return text.split(", Internal exception:")[0].strip()[:300]
+
+
+def message_of(response):
+    """The error message of a response: OpenAI shape, FastAPI `detail`, or text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"<non-JSON body starting {response.text[:6]!r}>"
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict):
+            return normalize(body["error"].get("message"))
+        if "message" in body:
+            return normalize(body["message"])
+        if "detail" in body:
+            return normalize(body["detail"])
+        if "choices" in body:
+            return None  # a normal answer
+    return normalize(repr(body))
+
+
+def _cell(text) -> str:
+    text = "" if text is None else str(text)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def request_summary(case) -> str:
+    method = case.get("method", "POST")
+    if "raw" in case:
+        raw = case["raw"]
+        what = f"{len(raw)} raw bytes" if len(raw) > 120 else repr(raw)[2:-1]
+    elif "body" in case:
+        import json
+        what = json.dumps(case["body"])
+        if len(what) > 120:
+            what = what[:110] + " …"
+    else:
+        what = ""
+    headers = "".join(f" [{k}: {v}]" for k, v in (case.get("headers") or {}).items())
+    return f"`{method} {case['path']}`{headers} {_cell(what)}"
+
+
+def render_doc(cases=CASES) -> str:
+    rows = "\n".join(
+        f"| {i} | {_cell(c['name'])} | {request_summary(c)} | {c['status']} | {_cell(c['message'])} |"
+        for i, c in enumerate(cases, 1))
+    return DOC_HEAD + rows + "\n" + DOC_TAIL
+
+
+DOC_HEAD = """# Reliability and security
+
+<!-- Generated from tests/reliability_cases.py (python -m tests.reliability_cases);
+     tests/test_reliability.py checks that this file, that list and the live app agree. -->
+
+## Front door (deployments/guard.py)
+
+The OpenAI ingress runs one ASGI middleware outside everything else:
+
+- **API keys** (optional). Set `TOKENFLOW_API_KEYS` (comma-separated) and/or
+  `TOKENFLOW_API_KEYS_FILE` (one key per line, `#` comments) in the
+  environment of the process that starts Ray (`make serve`, `serve run`).
+  Keys are never read from the YAML. With keys configured, every `/v1/...`
+  request needs `Authorization: Bearer <key>`, else HTTP 401
+  `{"error": {"type": "AuthenticationError", ...}}` with
+  `WWW-Authenticate: Bearer`. `/health` stays open. A configured key file that
+  cannot be read or holds no key refuses all `/v1/` requests (fail closed).
+  Without either variable there is no authentication.
+- **Admission bound**: `admission.max_ongoing_requests` (local.yaml 64,
+  gpu.yaml 1024) POST requests to `/v1/` may be in flight at once in each
+  ingress replica (for the deployment: that times `ingress_replicas`). One
+  more gets HTTP 429 `RateLimitError` with `Retry-After:
+  <admission.retry_after_s, rounded up>` instead of waiting in an unbounded
+  queue. If the engine deployment is given Ray Serve's
+  `deployment_config.max_queued_requests`, Serve's BackPressureError (a 503
+  in Ray 2.60) is rewritten to the same 429 + Retry-After.
+- **Body size**: bodies over `admission.max_body_bytes` (8 MiB) get HTTP 413
+  before they are parsed.
+
+Tested without Serve in tests/test_guard.py (keys, 401s, the bound with a
+tiny limit, 503→429, 413), and on the live app in tests/test_reliability.py.
+
+## Bad input
+
+Every row was sent to the running local.yaml app (tiny model, 2 CPU
+engines); after each row the app still answers a good request. `status` and
+`message` are what came back (message: the JSON error's `message`, or
+FastAPI's `detail`, ids masked, cut at 300 characters). `max_tokens: 2`
+and model `MODEL` (the app's model id) unless shown otherwise.
+
+| # | case | request | status | message |
+| --- | --- | --- | --- | --- |
+"""
+
+DOC_TAIL = """
+## Fixed while writing this table
+
+- `Content-Type: text/plain` with a JSON body was HTTP 500 ("Object of
+  type bytes is not JSON serializable" from the ingress's validation-error
+  handler); the guard now answers 415.
+- `n: 1000` was accepted (1000 sequences, 1000x the work of one request);
+  the guard now refuses `n` above `admission.max_n` (16) with 400.
+- Bodies of any size were read whole; now at most `admission.max_body_bytes`.
+
+## Known gaps (accepted, kept as vLLM / Ray Serve LLM behave)
+
+- **missing model** → 200: with one model served, Ray Serve LLM uses it.
+- **unknown role** → 200: the chat template renders any role string.
+- **stream is a string** → 200 streamed: pydantic coerces `"yes"` to true.
+- **unknown top-level field** → 200: vLLM ignores unknown fields (it logs a
+  warning); `consumption_rate` travels the same way, so this stays.
+- Most 400 messages carry Ray's wrapper ("Message: ... (Request ID: ...),
+  Internal exception: ..."), which repeats the internal exception class name.
+- The admission bound counts requests per ingress replica, not cluster-wide;
+  it is not exercised by flooding the shared test app (bound 64) so as not to
+  disturb other tests, but with a bound of 3 in tests/test_guard.py.
+"""
+
+
+if __name__ == "__main__":
+    DOC.write_text(render_doc())
+    print(f"wrote {DOC}")

@@ -1,0 +1,268 @@
+"""deployments/guard.py on small real ASGI apps through httpx (no Serve, fast).
+
+The live app (tests/test_reliability.py) runs with no keys and a large bound;
+here the same middleware runs with keys and tiny bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from deployments import guard
+from deployments.guard import AdmissionSettings, TokenFlowGuard, load_api_keys
+
+
+def make_app(gate: asyncio.Event | None = None) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if gate is not None:
+            await gate.wait()
+        return {"echo": body}
+
+    @app.post("/v1/stream")
+    async def stream():
+        async def gen():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def call(asgi, method, path, **kw):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://t") as c:
+        return await c.request(method, path, **kw)
+
+
+def assert_openai_error(r, status, type_):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] == type_ and err["message"]
+
+
+# --- API keys -----------------------------------------------------------------
+
+def test_keys_from_env_and_file(tmp_path):
+    assert load_api_keys({}) is None
+    assert load_api_keys({"TOKENFLOW_API_KEYS": "  "}) is None
+    assert load_api_keys({"TOKENFLOW_API_KEYS": "a, b,,c "}) == {"a", "b", "c"}
+    f = tmp_path / "keys"
+    f.write_text("# comment\nk1\n\n  k2  \n")
+    assert load_api_keys({"TOKENFLOW_API_KEYS_FILE": str(f)}) == {"k1", "k2"}
+    assert load_api_keys({"TOKENFLOW_API_KEYS_FILE": str(f), "TOKENFLOW_API_KEYS": "a"}) == {"k1", "k2", "a"}
+    (tmp_path / "empty").write_text("# nothing\n")
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(guard.KeyFileError):
+            load_api_keys({"TOKENFLOW_API_KEYS_FILE": str(bad)})
+
+
+def test_no_keys_means_no_auth():
+    asgi = TokenFlowGuard(make_app(), environ={})
+    assert not asgi.auth_enabled
+    r = run(call(asgi, "POST", "/v1/completions", json={"prompt": "hi"}))
+    assert r.status_code == 200 and r.json() == {"echo": {"prompt": "hi"}}
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Authorization": "Bearer wrong"}, {"Authorization": "bearer"}, {"Authorization": "Basic s3cret"},
+    {"Authorization": "Bearer s3cret-but-longer"}, {"Authorization": "s3cret"},
+])
+def test_bad_or_missing_key_gets_401(headers):
+    asgi = TokenFlowGuard(make_app(), environ={"TOKENFLOW_API_KEYS": "s3cret,other"})
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/v1/stream")):
+        r = run(call(asgi, method, path, json={"prompt": "hi"}, headers=headers))
+        assert_openai_error(r, 401, "AuthenticationError")
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert "s3cret" not in r.text
+
+
+def test_valid_key_passes_and_health_stays_open():
+    asgi = TokenFlowGuard(make_app(), environ={"TOKENFLOW_API_KEYS": "s3cret,other"})
+    for key in ("s3cret", "other"):
+        r = run(call(asgi, "POST", "/v1/completions", json={"p": 1}, headers={"Authorization": f"Bearer {key}"}))
+        assert r.status_code == 200 and r.json() == {"echo": {"p": 1}}
+    r = run(call(asgi, "POST", "/v1/stream", headers={"Authorization": "Bearer other"}))
+    assert r.status_code == 200 and r.text.count("data:") == 3
+    assert run(call(asgi, "GET", "/health")).json() == {"status": "ok"}
+
+
+def test_unreadable_key_file_fails_closed(tmp_path):
+    asgi = TokenFlowGuard(make_app(), environ={"TOKENFLOW_API_KEYS_FILE": str(tmp_path / "nope")})
+    r = run(call(asgi, "GET", "/v1/models", headers={"Authorization": "Bearer anything"}))
+    assert_openai_error(r, 401, "AuthenticationError")
+    assert run(call(asgi, "GET", "/health")).status_code == 200
+
+
+def test_install_reads_keys_from_the_serving_process_env(monkeypatch):
+    """guard.install (what deployments/app.py calls): keys come from the env
+    when the app first serves, not from the install-time arguments."""
+    app = make_app()
+    guard.install(app, {"max_ongoing_requests": 4})
+    monkeypatch.setenv("TOKENFLOW_API_KEYS", "envkey")
+    monkeypatch.delenv("TOKENFLOW_API_KEYS_FILE", raising=False)
+    assert run(call(app, "GET", "/v1/models")).status_code == 401
+    assert run(call(app, "GET", "/v1/models", headers={"Authorization": "Bearer envkey"})).status_code == 200
+
+
+# --- admission bound ------------------------------------------------------------
+
+def test_admission_bound_gives_429_with_retry_after_then_recovers():
+    async def scenario():
+        gate = asyncio.Event()
+        asgi = TokenFlowGuard(make_app(gate), admission={"max_ongoing_requests": 3, "retry_after_s": 2.5},
+                              environ={})
+        held = [asyncio.create_task(call(asgi, "POST", "/v1/completions", json={"i": i})) for i in range(3)]
+        for _ in range(1000):  # bounded: wait until all three are admitted and parked
+            if asgi.ongoing == 3:
+                break
+            await asyncio.sleep(0.001)
+        assert asgi.ongoing == 3
+        over = await call(asgi, "POST", "/v1/completions", json={"i": 99})
+        assert_openai_error(over, 429, "RateLimitError")
+        assert over.headers["retry-after"] == "3"  # whole seconds, rounded up
+        # GETs and /health are not counted
+        assert (await call(asgi, "GET", "/v1/models")).status_code == 200
+        gate.set()
+        done = await asyncio.gather(*held)
+        assert [r.json()["echo"]["i"] for r in done] == [0, 1, 2]
+        assert asgi.ongoing == 0 and asgi.rejected == 1
+        after = await call(asgi, "POST", "/v1/completions", json={"i": 4})
+        assert after.status_code == 200
+    run(scenario())
+
+
+def test_ongoing_count_released_on_error_and_stream():
+    async def boom_app(scope, receive, send):
+        raise RuntimeError("handler blew up")
+
+    async def scenario():
+        asgi = TokenFlowGuard(boom_app, admission={"max_ongoing_requests": 1}, environ={})
+        with pytest.raises(RuntimeError):
+            await call(asgi, "POST", "/v1/completions", json={})
+        assert asgi.ongoing == 0
+        asgi2 = TokenFlowGuard(make_app(), admission={"max_ongoing_requests": 1}, environ={})
+        for _ in range(3):
+            assert (await call(asgi2, "POST", "/v1/stream")).status_code == 200
+        assert asgi2.ongoing == 0
+    run(scenario())
+
+
+def test_serve_backpressure_503_becomes_429():
+    """Ray Serve raises BackPressureError when an engine deployment's
+    max_queued_requests is exceeded; Ray Serve LLM's ingress exception handling
+    turns it into a 503 JSON error, which the guard rewrites."""
+    from ray.llm._internal.serve.core.ingress.ingress import init
+    from ray.serve.exceptions import BackPressureError
+
+    def build():
+        app = init()  # the ingress's own FastAPI app with Ray's exception middleware
+
+        @app.post("/v1/completions")
+        async def completions():
+            raise BackPressureError(num_queued_requests=5, max_queued_requests=5)
+
+        @app.post("/v1/unavailable")
+        async def unavailable():
+            from fastapi.responses import JSONResponse
+            return JSONResponse({"error": {"message": "down", "code": 503}}, status_code=503)
+        return app
+
+    plain = run(call(build(), "POST", "/v1/completions", json={}))
+    assert plain.status_code == 503 and "backpressure" in plain.text.lower()
+    app = build()
+    guard.install(app, {"retry_after_s": 1})
+    r = run(call(app, "POST", "/v1/completions", json={}))
+    assert_openai_error(r, 429, "RateLimitError")
+    assert r.headers["retry-after"] == "1"
+    other = run(call(app, "POST", "/v1/unavailable", json={}))  # other 503s pass unchanged
+    assert other.status_code == 503 and other.json()["error"]["message"] == "down"
+
+
+# --- body size ------------------------------------------------------------------
+
+def test_body_over_limit_gets_413_declared_or_chunked():
+    asgi = TokenFlowGuard(make_app(), admission={"max_body_bytes": 1000}, environ={})
+    r = run(call(asgi, "POST", "/v1/completions", content=b"x" * 1001,
+                 headers={"content-type": "application/json"}))
+    assert_openai_error(r, 413, "RequestTooLargeError")
+
+    async def chunks():
+        for _ in range(5):
+            yield b"y" * 300
+    r = run(call(asgi, "POST", "/v1/completions", content=chunks(), headers={"content-type": "application/json"}))
+    assert_openai_error(r, 413, "RequestTooLargeError")
+    assert asgi.ongoing == 0
+    ok = run(call(asgi, "POST", "/v1/completions", content=json.dumps({"a": "b" * 900})))
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_ongoing_requests": 0}, {"max_ongoing_requests": 1.5}, {"max_ongoing_requests": True},
+    {"retry_after_s": 0}, {"retry_after_s": float("nan")}, {"max_body_bytes": 0}, {"max_queue": 3},
+])
+def test_bad_admission_settings_fail_at_build(bad):
+    with pytest.raises(ValueError):
+        AdmissionSettings.from_dict(bad)
+
+
+def test_yaml_configs_have_valid_admission_blocks():
+    import yaml
+
+    from tests.conftest import LOCAL_CONFIG
+    for path in (LOCAL_CONFIG, LOCAL_CONFIG.replace("local.yaml", "gpu.yaml")):
+        args = yaml.safe_load(open(path))["applications"][0]["args"]
+        s = AdmissionSettings.from_dict(args["admission"])
+        assert s.max_ongoing_requests >= 1 and s.retry_after_s > 0
+        assert not any("key" in k.lower() for k in args), "API keys must never be in the YAML"
+
+
+def test_non_json_content_type_gets_415_and_json_passes():
+    asgi = TokenFlowGuard(make_app(), environ={})
+    r = run(call(asgi, "POST", "/v1/completions", content=b'{"a": 1}', headers={"content-type": "text/plain"}))
+    assert_openai_error(r, 415, "UnsupportedMediaTypeError")
+    for ctype in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+        r = run(call(asgi, "POST", "/v1/completions", content=b'{"a": 1}', headers={"content-type": ctype}))
+        assert r.status_code == 200, ctype
+
+
+def test_n_over_max_gets_400_on_generation_routes_only():
+    asgi = TokenFlowGuard(make_app(), admission={"max_n": 4}, environ={})
+    r = run(call(asgi, "POST", "/v1/completions", json={"prompt": "x", "n": 5}))
+    assert_openai_error(r, 400, "BadRequestError")
+    assert r.json()["error"]["message"] == "n must be at most 4, got 5"
+    for body in ({"prompt": "x", "n": 4}, {"prompt": "x", "n": "5"}, {"prompt": "x"}):
+        assert run(call(asgi, "POST", "/v1/completions", json=body)).status_code == 200, body
+    assert run(call(asgi, "POST", "/v1/completions", content=b"[1]")).status_code == 200  # app decides
+    assert asgi.ongoing == 0
+
+
+def test_app_args_admission_block_is_validated_and_defaulted():
+    from deployments.app import resolve_args
+
+    assert resolve_args({})["admission"] == AdmissionSettings().to_dict()
+    assert resolve_args({"admission": {"max_ongoing_requests": 5}})["admission"]["max_ongoing_requests"] == 5
+    with pytest.raises(ValueError):
+        resolve_args({"admission": {"max_ongoing_requests": 0}})
+    with pytest.raises(ValueError):
+        resolve_args({"admission": {"api_keys": ["k"]}})  # keys are env-only
