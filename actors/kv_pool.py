@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-from actors.ranking import check_keys
+from tokenflow.config import check_keys, require_positive
 
 NAMESPACE = "tokenflow"
 NAME_PREFIX = "tokenflow-kv-pool:"
@@ -56,10 +56,7 @@ class KVPoolSettings:
             raise ValueError(f"kv_pool.ram_fraction must be in (0, 1), got {self.ram_fraction!r}")
         if not (isinstance(self.engines_per_node, int) and self.engines_per_node >= 1):
             raise ValueError(f"kv_pool.engines_per_node must be a positive integer, got {self.engines_per_node!r}")
-        for name in ("report_interval_s", "engine_ttl_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"kv_pool.{name} must be a positive number, got {v!r}")
+        require_positive(self, ("report_interval_s", "engine_ttl_s"), "kv_pool")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "KVPoolSettings":

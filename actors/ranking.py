@@ -33,13 +33,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 
-
-def check_keys(cls, d: dict | None, block: str) -> dict:
-    d = dict(d or {})
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"unknown {block} keys: {sorted(unknown)}")
-    return d
+from tokenflow.config import TokenFlowConfig, check_keys, require_positive
 
 
 @dataclass
@@ -58,11 +52,8 @@ class RouterSettings:
     pending_ttl_s: float = 2.0  # a sent request no push ever reflects stops counting
 
     def __post_init__(self) -> None:
-        for name in ("push_interval_s", "stale_after_s", "refresh_interval_s", "horizon_s",
-                     "capacity_tps", "pending_ttl_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"router.{name} must be a positive number, got {v!r}")
+        require_positive(self, ("push_interval_s", "stale_after_s", "refresh_interval_s", "horizon_s",
+                                "capacity_tps", "pending_ttl_s"), "router")
         if self.reader_rate is not None and not (self.reader_rate > 0 and math.isfinite(self.reader_rate)):
             raise ValueError(f"router.reader_rate must be a positive number, got {self.reader_rate!r}")
 
@@ -75,7 +66,7 @@ class RouterSettings:
 
     @property
     def rate(self) -> float:
-        return self.reader_rate if self.reader_rate is not None else 40.0
+        return self.reader_rate if self.reader_rate is not None else TokenFlowConfig.default_rate
 
 
 @dataclass

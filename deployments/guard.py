@@ -38,8 +38,10 @@ import hmac
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
+
+from tokenflow.config import check_keys
 
 KEYS_ENV = "TOKENFLOW_API_KEYS"
 KEYS_FILE_ENV = "TOKENFLOW_API_KEYS_FILE"
@@ -58,12 +60,7 @@ class AdmissionSettings:
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "AdmissionSettings":
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown admission keys: {sorted(unknown)}; known: {sorted(known)}")
-        s = cls(**d)
+        s = cls(**check_keys(cls, d, "admission"))
         if s.max_ongoing_requests is not None:
             if isinstance(s.max_ongoing_requests, bool) or int(s.max_ongoing_requests) != s.max_ongoing_requests \
                     or s.max_ongoing_requests < 1:

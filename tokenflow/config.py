@@ -13,6 +13,25 @@ from dataclasses import dataclass, fields
 POLICIES = ("tokenflow", "andes", "fcfs")
 
 
+def check_keys(cls, d: dict | None, block: str) -> dict:
+    """A config block as a dict, refusing keys the dataclass `cls` lacks, so
+    a typo never silently falls back to a default."""
+    d = dict(d or {})
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {block} keys: {sorted(unknown)}; known: {sorted(known)}")
+    return d
+
+
+def require_positive(obj, names: tuple[str, ...], block: str) -> None:
+    """Each named field of `obj` must be a finite number > 0."""
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{block}.{name} must be a positive number, got {v!r}")
+
+
 @dataclass
 class TokenFlowConfig:
     # Which policy decides: "tokenflow" (the paper), "andes" (the peer
@@ -62,21 +81,13 @@ class TokenFlowConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
-        for name in ("dt", "default_rate", "max_rate"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"tokenflow.{name} must be a positive number, got {v!r}")
+        require_positive(self, ("dt", "default_rate", "max_rate"), "tokenflow")
         if self.mu < 1:
             raise ValueError(f"tokenflow.mu must be >= 1, got {self.mu}")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "TokenFlowConfig":
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown tokenflow config keys: {sorted(unknown)}")
-        return cls(**d)
+        return cls(**check_keys(cls, d, "tokenflow config"))
 
 
 def parse_rate(value, cfg: TokenFlowConfig) -> float:

@@ -78,6 +78,11 @@ class TokenFlowMixin:
         self._step_started: float | None = None
         self._seen_output: dict[str, int] = {}
         self._computed_at_release: dict[str, int] = {}
+        # TokenFlow's offloading connector (kv_offload/) reports the host
+        # tier; the connector is fixed for the engine's life, so look once.
+        self._host_blocks_of = self._offload_hook("tokenflow_request_host_blocks")
+        self._host_pool_size = self._offload_hook("tokenflow_host_blocks")
+        self._transfer_meter = self._offload_hook("tokenflow_transfer_tps")
         logger.info("TokenFlow scheduler: %s", self.tf_config)
 
     # --- vLLM hooks -------------------------------------------------------
@@ -181,7 +186,7 @@ class TokenFlowMixin:
     # --- the decision -----------------------------------------------------
     def _view(self, req: Request, phase: Phase, now: float, resident: bool) -> RequestView:
         reader = self.readers[req.request_id]
-        host = self._offload_hook("tokenflow_request_host_blocks")
+        host = self._host_blocks_of
         return RequestView(
             req_id=req.request_id,
             phase=phase,
@@ -219,7 +224,7 @@ class TokenFlowMixin:
             step_rate=m.step_rate.value,
             prefill_tps=m.prefill_tps.value,
             transfer_tps=self._transfer_tps(),
-            host_blocks=(h() if (h := self._offload_hook("tokenflow_host_blocks")) else 0),
+            host_blocks=self._host_pool_size() if self._host_pool_size else 0,
         )
         return views, eng
 
@@ -230,8 +235,7 @@ class TokenFlowMixin:
 
     def _transfer_tps(self) -> float | None:
         """Host<->device KV speed in tokens/s, when an offload tier is present."""
-        meter = self._offload_hook("tokenflow_transfer_tps")
-        return meter() if meter else None
+        return self._transfer_meter() if self._transfer_meter else None
 
     def _reschedule(self, now: float) -> None:
         views, eng = self.snapshot(now)
@@ -300,7 +304,6 @@ class TokenFlowMixin:
         running = [r for r in self.running if r.request_id in self.readers]
         buffers = [self.readers[r.request_id].buffer_seconds(now) for r in running
                    if self.readers[r.request_id].delivered]
-        pool = self._offload_hook("tokenflow_host_blocks")
         from kv_offload.connector import host_pool_of
 
         pool_mgr = host_pool_of(self.connector) if self.connector is not None else None
@@ -320,7 +323,7 @@ class TokenFlowMixin:
             "decode_tps": self.meters.peak_decode_tps or None,
             "kv_free_blocks": kv.get_num_free_blocks(),
             "kv_total_blocks": self.kv_cache_config.num_blocks,
-            "host_pool_blocks": pool() if pool else 0,
+            "host_pool_blocks": self._host_pool_size() if self._host_pool_size else 0,
             "stats": asdict(self.tf_stats),
             "offload": None if counters is None else {
                 "blocks_stored": counters.blocks_stored, "blocks_loaded": counters.blocks_loaded,
