@@ -101,7 +101,15 @@ def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
         pass
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float = 600.0) -> int:
+    # Ctrl-C and SIGTERM both stop the app, even when this process was
+    # started with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     settings = app_settings(config)
     base = f"http://{settings['host']}:{settings['port']}"
     proc = start(config)
