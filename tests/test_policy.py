@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from tests.policy_sim import SimEngine, SimRequest
 from tokenflow.andes import AndesPolicy
+from tokenflow.bench_policy import population
+from tokenflow.buffer import EFFECTIVE_HIGH_FRACTION
 from tokenflow.config import TokenFlowConfig
-from tokenflow.policy import EngineView, Phase, RequestView, TokenFlowPolicy
+from tokenflow.policy import PINNED, Decision, EngineView, Phase, RequestView, TokenFlowPolicy, fcfs_decision
 
 
 def burst_engine(policy_name="tokenflow", n_old=4, step_rate=50.0):
@@ -157,3 +159,147 @@ def test_decision_time_is_small_at_400():
     for _ in range(10):
         policy.decide(reqs, eng)
     assert (time.perf_counter() - t) / 10 < 0.05
+
+
+# --- the fast path against a plain reference ----------------------------------
+# TokenFlowPolicy.decide is tuned for speed (tokenflow bench-policy). This is
+# the same policy written plainly: per-request key with min()/max(), a sort of
+# indices, and the unchosen found by a pass over all requests. Both must give
+# the same Decision, list orders included.
+def reference_key(cfg, r, eng):
+    speed_dt = (eng.step_rate or 1.0 / cfg.dt) * cfg.dt
+    if eng.transfer_tps:
+        io_per_token = 2.0 / eng.transfer_tps
+    else:
+        io_per_token = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+    rate, b = r.rate, r.buffer_tokens
+    bonus = 0.0
+    if r.phase is Phase.RUNNING:
+        if not r.num_output or b < cfg.mu * rate * (r.num_tokens * io_per_token + cfg.dt):
+            return b / rate - 2 * PINNED
+        bonus = cfg.switch_margin
+    elif r.phase is Phase.PAUSED and b < cfg.critical_buffer_s * rate:
+        return b / rate - PINNED
+    useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
+    return -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
+
+
+def reference_decide(policy, reqs, eng):
+    cfg = policy.cfg
+    waiting = [r for r in reqs if r.phase is Phase.WAITING]
+    active = [r for r in reqs if r.phase is not Phase.WAITING]
+    running = [r for r in active if r.phase is Phase.RUNNING]
+    dry = [r for r in running if r.num_output and r.buffer_tokens < cfg.critical_buffer_s * r.rate]
+    if len(running) == len(reqs) and not dry:
+        return None
+    required = 0.0
+    for r in active:
+        required += r.rate
+    if eng.decode_tps and required > cfg.overload_factor * eng.decode_tps:
+        return fcfs_decision(reqs)
+    waiting.sort(key=lambda r: r.arrival_time)
+    room = policy.working_set_room(len(running), len(active), sum(r.blocks for r in reqs) / len(reqs), eng)
+    candidates = active + waiting[:room]
+    keys = [reference_key(cfg, r, eng) for r in candidates]
+    ordered = [candidates[i] for i in sorted(range(len(candidates)), key=lambda i: keys[i])]
+    # pack
+    budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
+    grow = math.ceil((eng.step_rate or 1.0) * cfg.dt / eng.block_size)
+    chosen, used = [], 0
+    for r in ordered:
+        need = r.blocks if r.phase is Phase.WAITING else r.blocks + grow
+        if used + need <= budget or not chosen:
+            chosen.append(r)
+            used += need
+            if len(chosen) >= eng.max_num_seqs:
+                break
+    # to_decision
+    d = Decision()
+    need = 0
+    for r in chosen:
+        if r.phase is Phase.WAITING:
+            d.admit.append(r.req_id)
+            need += r.blocks
+        else:
+            d.run.append(r.req_id)
+            if not r.kv_resident:
+                need += r.blocks
+                if policy.reload_beats_recompute(r, eng):
+                    d.reload.append(r.req_id)
+    chosen_ids = set(d.run) | set(d.admit)
+    d.defer = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]
+    losers = [r for r in reqs if r.phase is not Phase.WAITING and r.req_id not in chosen_ids]
+    free = eng.free_blocks
+    for r in sorted(losers, key=lambda r: r.buffer_tokens, reverse=True):
+        if not r.kv_resident:
+            d.pause_release.append(r.req_id)
+        elif free < need:
+            d.pause_release.append(r.req_id)
+            free += r.blocks
+        else:
+            d.pause_hold.append(r.req_id)
+    return d
+
+
+@st.composite
+def tied_populations(draw):
+    """Few distinct values, so equal keys and equal buffers are common (the
+    sorts' tie order then decides), with offload and knob variations."""
+    n = draw(st.integers(1, 60))
+    reqs = []
+    for i in range(n):
+        phase = draw(phases)
+        out = draw(st.sampled_from([0, 0, 5, 100])) if phase != Phase.WAITING else draw(st.sampled_from([0, 0, 3]))
+        resident = phase == Phase.RUNNING or (phase == Phase.PAUSED and draw(st.booleans()))
+        reqs.append(RequestView(
+            req_id=f"r{i}", phase=phase, arrival_time=draw(st.sampled_from([0.0, 1.0, 2.0])),
+            rate=draw(st.sampled_from([5.0, 10.0, 40.0])),
+            buffer_tokens=draw(st.sampled_from([0.0, 2.5, 10.0, 50.0, 400.0])) if out else 0.0,
+            num_output=out, max_tokens=out + draw(st.sampled_from([1, 50, 500])),
+            num_tokens=16 + out, blocks=draw(st.sampled_from([1, 2, 8])), kv_resident=resident,
+            host_blocks=0 if resident else draw(st.sampled_from([0, 1, 8])),
+        ))
+    total = draw(st.integers(4, 200))
+    used = sum(r.blocks for r in reqs if r.kv_resident)
+    eng = EngineView(now=10.0, block_size=16, total_blocks=total, free_blocks=max(0, total - used),
+                     max_num_seqs=draw(st.integers(1, 64)),
+                     decode_tps=draw(st.one_of(st.none(), st.sampled_from([50.0, 1000.0, 1e6]))),
+                     step_rate=draw(st.one_of(st.none(), st.sampled_from([10.0, 50.0]))),
+                     prefill_tps=draw(st.one_of(st.none(), st.sampled_from([100.0, 20_000.0]))),
+                     transfer_tps=draw(st.one_of(st.none(), st.sampled_from([1000.0, 200_000.0]))),
+                     host_blocks=draw(st.sampled_from([0, 50])))
+    cfg = TokenFlowConfig(mu=draw(st.sampled_from([1.0, 20.0])), gamma=draw(st.sampled_from([0.0, 50.0])),
+                          switch_margin=draw(st.sampled_from([0.0, 30.0])),
+                          critical_buffer_s=draw(st.sampled_from([0.0, 1.0])))
+    return reqs, eng, cfg
+
+
+@settings(max_examples=300, deadline=None)
+@given(populations())
+def test_decide_matches_reference(pop):
+    reqs, eng = pop
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    assert policy.decide(reqs, eng) == reference_decide(policy, reqs, eng)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tied_populations())
+def test_decide_matches_reference_with_ties_and_offload(pop):
+    reqs, eng, cfg = pop
+    policy = TokenFlowPolicy(cfg)
+    assert policy.decide(reqs, eng) == reference_decide(policy, reqs, eng)
+    key = policy.rank_key_fn(eng)
+    assert [key(r) for r in reqs] == [reference_key(cfg, r, eng) for r in reqs]
+
+
+def test_decide_matches_reference_on_bench_populations():
+    import dataclasses
+
+    for n in (100, 400, 1000):
+        for seed in range(3):
+            reqs, eng = population(n, seed)
+            for e in (eng, dataclasses.replace(eng, transfer_tps=None, step_rate=None)):
+                policy = TokenFlowPolicy(TokenFlowConfig())
+                d = policy.decide(reqs, e)
+                assert d is not None and not d.fallback_fcfs
+                assert d == reference_decide(policy, reqs, e)

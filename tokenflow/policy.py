@@ -89,6 +89,36 @@ class Decision:
     fallback_fcfs: bool = False
 
 
+@dataclass(slots=True)
+class Pool:
+    """What one pass over the live requests tells the policy."""
+
+    waiting: list[RequestView]  # in the order given
+    active: list[RequestView]  # running or paused, in the order given
+    required: float  # the active readers' rates, summed
+    n_running: int
+    blocks: int  # KV blocks of all requests, summed
+
+
+def survey(reqs: list[RequestView]) -> Pool:
+    """Split and count the requests in one pass (it runs over every live
+    request each stressed interval)."""
+    waiting, active = [], []
+    required, n_running, blocks = 0.0, 0, 0
+    waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
+    for r in reqs:
+        blocks += r.blocks
+        phase = r.phase
+        if phase is waiting_phase:
+            waiting.append(r)
+            continue
+        active.append(r)
+        required += r.rate
+        if phase is running:
+            n_running += 1
+    return Pool(waiting, active, required, n_running, blocks)
+
+
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
     """Everyone runs or is admitted in arrival order; vLLM packs memory."""
     d = Decision(fallback_fcfs=True)
@@ -104,37 +134,28 @@ class TokenFlowPolicy:
     def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
         """None means: no stress, leave vLLM's batch as it is."""
         cfg = self.cfg
-        # One pass for the stress check, the required rates and the counts:
-        # this runs every dt over every live request.
-        waiting, active = [], []
-        stressed, required, n_running, blocks_sum = False, 0.0, 0, 0
-        for r in reqs:
-            blocks_sum += r.blocks
-            if r.phase is Phase.WAITING:
-                waiting.append(r)
-                stressed = True
-                continue
-            active.append(r)
-            required += r.rate
-            if r.phase is Phase.RUNNING:
-                n_running += 1
-                if r.num_output and r.buffer_tokens < cfg.critical_buffer_s * r.rate:
-                    stressed = True
-            else:
-                stressed = True
-        if not stressed:
+        if not self.stressed(reqs):
             return None
-        if eng.decode_tps and required > cfg.overload_factor * eng.decode_tps:
+        pool = survey(reqs)
+        if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
+        room = self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng)
+        # The earliest arrivals get the room; the rest stay deferred.
+        newcomers = sorted(pool.waiting, key=attrgetter("arrival_time"))[:room]
+        candidates = pool.active + newcomers
+        # sorted() is stable: equal keys keep the order of `candidates`.
+        chosen = self.pack(sorted(candidates, key=self.rank_key_fn(eng)), eng)
+        return self.to_decision(pool, chosen, eng)
 
-        waiting.sort(key=attrgetter("arrival_time"))
-        room = self.working_set_room(n_running, len(active), blocks_sum / len(reqs), eng)
-        candidates = active + waiting[:room]  # the rest stay deferred
-        key = self.rank_key_fn(eng)
-        keys = [key(r) for r in candidates]
-        order = sorted(range(len(candidates)), key=keys.__getitem__)
-        chosen = self.pack([candidates[i] for i in order], eng)
-        return self.to_decision(reqs, chosen, eng)
+    def stressed(self, reqs: list[RequestView]) -> bool:
+        """Step 1: someone waits or is paused, or a running reader is about
+        to run dry. Under stress the first request usually answers, so the
+        common unstressed interval pays for this loop alone."""
+        crit, running = self.cfg.critical_buffer_s, Phase.RUNNING
+        for r in reqs:
+            if r.phase is not running or (r.num_output and r.buffer_tokens < crit * r.rate):
+                return True
+        return False
 
     # --- pieces -----------------------------------------------------------
     def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:
@@ -158,10 +179,12 @@ class TokenFlowPolicy:
 
     def rank_key_fn(self, eng: EngineView):
         """Sort key (ascending): pinned requests first, lowest buffer first
-        (step 4); then the rest by priority U, highest first (step 5)."""
+        (step 4); then the rest by priority U, highest first (step 5).
+        It runs once per candidate per decision, so the constants are bound
+        here and the clamps are comparisons, not min()/max() calls."""
         cfg = self.cfg
         dt, mu, gamma, crit = cfg.dt, cfg.mu, cfg.gamma, cfg.critical_buffer_s
-        margin = cfg.switch_margin
+        margin, high = cfg.switch_margin, EFFECTIVE_HIGH_FRACTION
         speed_dt = (eng.step_rate or 1.0 / dt) * dt
         # Seconds per context token to evict and reload (or to recompute).
         if eng.transfer_tps:
@@ -171,19 +194,22 @@ class TokenFlowPolicy:
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
 
         def key(r: RequestView) -> float:
-            rate, b = r.rate, r.buffer_tokens
-            if r.phase is running:
+            rate, b, phase = r.rate, r.buffer_tokens, r.phase
+            if phase is running:
                 # Mid-prefill requests never pause: the work done would be lost.
                 if not r.num_output or b < mu * rate * (r.num_tokens * io_per_token + dt):
                     return b / rate - 2 * PINNED  # incumbents first among the pinned
                 bonus = margin
-            elif r.phase is paused:
+            elif phase is paused:
                 if b < crit * rate:
                     return b / rate - PINNED
                 bonus = 0.0
             else:
                 bonus = 0.0
-            useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * dt))
+            # useful = min(speed_dt, max(0.0, x)), with the builtins' tie rules.
+            useful = high * r.max_tokens - b + rate * dt
+            useful = useful if useful > 0.0 else 0.0
+            useful = useful if useful < speed_dt else speed_dt
             return -(useful + gamma * exp(-b / rate) + bonus)
 
         return key
@@ -211,7 +237,7 @@ class TokenFlowPolicy:
                 break
         return chosen
 
-    def to_decision(self, reqs, chosen, eng: EngineView) -> Decision:
+    def to_decision(self, pool: Pool, chosen: list[RequestView], eng: EngineView) -> Decision:
         d = Decision()
         waiting = Phase.WAITING
         need = 0  # blocks the chosen must still get on the device
@@ -227,14 +253,9 @@ class TokenFlowPolicy:
                     d.reload.append(r.req_id)
         chosen_ids = set(d.run)
         chosen_ids.update(d.admit)
-        losers = []
-        for r in reqs:
-            if r.req_id in chosen_ids:
-                continue
-            if r.phase is waiting:
-                d.defer.append(r.req_id)
-            else:
-                losers.append(r)
+        # The pool keeps the given order, which the unchosen keep too.
+        d.defer = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
+        losers = [r for r in pool.active if r.req_id not in chosen_ids]
         # Unchosen resident requests free KV only as far as the chosen need
         # it, largest buffers first; the rest pause holding their blocks.
         free = eng.free_blocks
