@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
@@ -74,7 +75,7 @@ class EngineAgent:
 
     def state(self) -> EngineState:
         self.seq += 1
-        st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica,
+        st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
                          seq=self.seq, sent_at=time.time(), **self.tracker.state())
         sched = self._fresh_sched()
         if sched:

@@ -45,7 +45,9 @@ class RouterSettings:
     # State older than this is unknown: that engine is skipped (a dead or
     # hung engine stops pushing; Serve's health checks then replace it).
     stale_after_s: float = 0.3
-    refresh_interval_s: float = 0.1  # each ingress re-reads all states this often
+    # Each ingress long-polls the router actor (answered on the next push);
+    # this is the least time between two polls, bounding their rate.
+    refresh_interval_s: float = 0.02
     horizon_s: float = 10.0  # H above: how far ahead slack looks
     capacity_tps: float = 1000.0  # decode tokens/s assumed until an engine shows more
     reader_rate: float | None = None  # tokens/s of one new reader; None: tokenflow.default_rate
@@ -76,6 +78,7 @@ class EngineState:
     engine_id: str  # Serve replica unique id, as the request router sees it
     node_id: str = ""
     replica: str = ""  # full replica name, for people reading /v1/tokenflow/engines
+    pid: int = 0  # the replica's process on its node, for operators
     running: int = 0  # streams that got their first token
     waiting: int = 0  # streams with no token yet
     unary: int = 0  # non-streaming requests in flight
@@ -88,7 +91,7 @@ class EngineState:
     peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
     received_total: int = 0  # requests ever received (settles "just sent" counts)
     seq: int = 0
-    sent_at: float = 0.0  # engine wall clock at push (display only)
+    sent_at: float = 0.0  # engine wall clock at push (the router actor counts transit from it)
     scheduler: dict | None = None  # the TokenFlow scheduler's own summary, when available
 
     @property
@@ -104,8 +107,12 @@ class EngineState:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def slack(state: EngineState, s: RouterSettings) -> float:
-    capacity = max(state.peak_tps, s.capacity_tps)
+def slack(state: EngineState, s: RouterSettings, peer_tps: float = 0.0) -> float:
+    """peer_tps: the best decode rate its peers (replicas of the same
+    deployment, so alike) have shown. A restarted or new engine has shown
+    nothing yet; judged by capacity_tps alone it would look poorer than a
+    busy twin and never get work."""
+    capacity = max(state.peak_tps, peer_tps, s.capacity_tps)
     required = state.rate_sum + state.unary * s.rate
     spare_readers = (capacity - required) / s.rate
     return s.horizon_s * spare_readers + state.buffer_s_capped
@@ -114,11 +121,13 @@ def slack(state: EngineState, s: RouterSettings) -> float:
 def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RouterSettings) -> list[str]:
     """Engine ids, best first, for the next request. Callers pass only fresh states."""
 
+    peer_tps = max((st.peak_tps for st in states.values()), default=0.0)
+
     def key(eid: str):
         st, p = states[eid], pending.get(eid, 0)
         # A sent request will show as one more reader: H reader-seconds less.
         # Ties: least loaded, then by id so the order is deterministic.
-        return (-(slack(st, s) - s.horizon_s * p), st.load + p, eid)
+        return (-(slack(st, s, peer_tps) - s.horizon_s * p), st.load + p, eid)
 
     return sorted(states, key=key)
 
@@ -167,6 +176,7 @@ class RoutingTable:
         self._states: dict[str, EngineState] = {}
         self._born: dict[str, float] = {}  # local clock time at which each state was fresh
         self._pending: dict[str, deque] = {}
+        self._dead: set[str] = set()  # engines Serve saw die (drop())
         self._lock = threading.Lock()
         self.latency = LatencyStats()  # time inside choose_replicas
         self.state_age = LatencyStats()  # age of the chosen engine's state at decision
@@ -179,6 +189,8 @@ class RoutingTable:
         states, born = {}, {}
         with self._lock:
             for eid, (d, age) in snapshot.items():
+                if eid in self._dead:
+                    continue
                 st = d if isinstance(d, EngineState) else EngineState.from_dict(d)
                 old = self._states.get(eid)
                 if old is not None and st.received_total > old.received_total:
@@ -189,6 +201,17 @@ class RoutingTable:
                         q.popleft()
                 states[eid], born[eid] = st, now - age
             self._states, self._born = states, born
+
+    def drop(self, engine_id: str) -> None:
+        """Forget an engine known to be dead. Its last pushes may still sit in
+        the router actor for a while; a restarted replica has a new id."""
+        with self._lock:
+            self._dead.add(engine_id)
+            states, born = dict(self._states), dict(self._born)
+            states.pop(engine_id, None)
+            born.pop(engine_id, None)
+            self._states, self._born = states, born
+            self._pending.pop(engine_id, None)
 
     def on_sent(self, engine_id: str, now: float | None = None) -> None:
         with self._lock:
@@ -235,11 +258,12 @@ class RoutingTable:
         now = self._clock() if now is None else now
         pending = self.pending(now)
         engines = []
+        peer_tps = max((st.peak_tps for st in self._states.values()), default=0.0)
         for eid, st in sorted(self._states.items()):
             age = now - self._born[eid]
             engines.append({**st.to_dict(), "age_s": round(age, 4),
                             "fresh": age <= self.settings.stale_after_s,
-                            "slack_s": round(slack(st, self.settings), 3),
+                            "slack_s": round(slack(st, self.settings, peer_tps), 3),
                             "pending": pending.get(eid, 0),
                             "routed": self.decisions.get(eid, 0)})
         return {"engines": engines, "fallbacks": self.fallbacks,

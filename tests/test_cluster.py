@@ -86,6 +86,28 @@ def test_overloaded_engines_rank_by_deficit():
     assert rank_engines({"fuller": fuller, "full": full}, {}, S) == ["full", "fuller"]
 
 
+def test_a_restarted_engine_gets_work_from_a_fast_twin():
+    # "old" has shown 3000 tok/s and is idle now; "new" just restarted and
+    # has shown nothing. Alike replicas: "new" is assumed as fast, so it is
+    # idle with the same capacity and ranks first (it would never get work
+    # if judged by capacity_tps = 1000 alone).
+    old = engine("old", peak_tps=3000.0)
+    new = engine("new", peak_tps=0.0)
+    assert slack(new, S) < slack(old, S)
+    assert rank_engines({"old": old, "new": new}, {}, S)[0] == "new"
+    assert split_burst({"old": old, "new": new}, 8, S) == {"new": 4, "old": 4}
+
+
+def test_an_engine_serve_saw_die_is_not_ranked_again():
+    t = RoutingTable(S, clock=lambda: 0.0)
+    snap = {e: (engine(e).to_dict(), 0.0) for e in ("a", "b")}
+    t.update(snap)
+    t.drop("a")
+    assert t.rank(["a", "b"]) == ["b"]
+    t.update(snap)  # the router actor still holds its last push for a while
+    assert t.rank(["a", "b"]) == ["b"]
+
+
 def test_stale_engine_is_excluded_and_unknown_means_fallback():
     clock = [100.0]
     t = RoutingTable(RouterSettings(stale_after_s=0.3), clock=lambda: clock[0])
@@ -136,6 +158,27 @@ def test_view_and_latency_summary():
     assert v["fallbacks"] == 1 and v["routing_latency"]["count"] == 2
     assert v["state_age_at_decision"]["p50_ms"] == pytest.approx(50.0)
     json.dumps(v)
+
+
+def test_router_actor_long_poll_answers_on_push_and_counts_transit():
+    from actors.router import RouterState
+
+    async def run():
+        actor = RouterState()
+        seen, snap = await actor.wait_snapshot(-1, 0.05)  # nothing pushed: times out empty
+        assert (seen, snap) == (0, {})
+        waiter = asyncio.create_task(actor.wait_snapshot(seen, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # no push yet: still waiting
+        t0 = time.monotonic()
+        await actor.push({**engine("a").to_dict(), "sent_at": time.time() - 0.2})  # 200 ms in transit
+        seen, snap = await asyncio.wait_for(waiter, 1.0)
+        assert time.monotonic() - t0 < 0.5  # answered by the push, not by the 5 s timeout
+        assert seen == 1 and snap["a"][1] == pytest.approx(0.2, abs=0.05)  # age includes transit
+        # A caller that is behind gets the current snapshot at once.
+        assert (await asyncio.wait_for(actor.wait_snapshot(0, 5.0), 0.5))[0] == 1
+
+    asyncio.run(run())
 
 
 def test_settings_reject_typos_and_bad_values():
