@@ -105,6 +105,7 @@ class PoolAccounting:
     def unregister(self, engine_id: str) -> None:
         self.engines.pop(engine_id, None)
 
+    @ray.method(enable_task_events=False)  # periodic: no GCS task record each time
     def report(self, engine_id: str, counters: dict) -> int:
         self.register(engine_id)  # a report also proves the engine is alive
         self.engines[engine_id]["counters"] = dict(counters or {})
@@ -141,6 +142,7 @@ class KVPoolActor:
     def unregister_engine(self, engine_id: str) -> None:
         self.pool.unregister(engine_id)
 
+    @ray.method(enable_task_events=False)  # periodic: no GCS task record each time
     def report(self, engine_id: str, counters: dict) -> int:
         return self.pool.report(engine_id, counters)
 

@@ -37,7 +37,8 @@ typo never silently falls back to a default):
   admission            the ingress's front door (deployments/guard.py AdmissionSettings):
                        max_ongoing_requests (POSTs to /v1/ in flight per ingress
                        replica; beyond: 429 + Retry-After), retry_after_s,
-                       max_body_bytes (larger: 413), max_n (larger n: 400). API keys come only from the
+                       max_body_bytes (larger: 413), max_n (larger n: 400), max_resends
+                       (re-sends of a request whose engine died before its first token). API keys come only from the
                        env (TOKENFLOW_API_KEYS / TOKENFLOW_API_KEYS_FILE).
 
 The HTTP ingress serves the OpenAI API plus GET /health and
@@ -248,6 +249,7 @@ def build_app(args: dict | None = None):
         lora_paths=({llm_config.model_id: llm_config.lora_config.dynamic_lora_loading_path}
                     if llm_config.lora_config is not None else {}),
         tokenflow_router=a["router"],
+        max_resends=a["admission"]["max_resends"],
     )
 
 

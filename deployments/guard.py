@@ -57,6 +57,9 @@ class AdmissionSettings:
     retry_after_s: float = 1.0
     max_body_bytes: int = 8 * 2**20
     max_n: int = 16
+    # A request whose engine replica dies before its first token is re-sent
+    # to another replica this many times (deployments/failover.py).
+    max_resends: int = 2
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "AdmissionSettings":
@@ -76,6 +79,9 @@ class AdmissionSettings:
         if isinstance(s.max_n, bool) or int(s.max_n) != s.max_n or s.max_n < 1:
             raise ValueError(f"admission.max_n must be an integer >= 1, got {s.max_n!r}")
         s.max_n = int(s.max_n)
+        if isinstance(s.max_resends, bool) or int(s.max_resends) != s.max_resends or s.max_resends < 0:
+            raise ValueError(f"admission.max_resends must be an integer >= 0, got {s.max_resends!r}")
+        s.max_resends = int(s.max_resends)
         return s
 
     def to_dict(self) -> dict:

@@ -7,8 +7,8 @@ Configured on the engine deployment as
 i.e. in each ingress replica.
 
 Per request it only ranks a local table (actors/ranking.py): a background
-task re-reads every engine's state from the app's router actor each
-`refresh_interval_s`, and sends made by this router count as load until
+task long-polls the app's router actor for every engine's state (answered
+on each push), and sends made by this router count as load until
 an engine's push reflects them. With no fresh state for any candidate (at
 start, or when the actor is unreachable) it falls back to Serve's default,
 power of two choices.
@@ -30,6 +30,7 @@ from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, Open
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 from actors import kv_pool, ranking
+from deployments import failover
 from actors import router as router_actor
 from tokenflow.metrics import RouterMetrics
 
@@ -59,13 +60,19 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         return self._tf_table
 
     async def _refresh(self) -> None:
-        handle, failures = None, 0
+        # Long poll: the actor answers as soon as any engine pushes, so a
+        # state is as old as its transit, not a polling period. The interval
+        # only bounds how often this loop asks (and paces retries).
+        handle, failures, seen = None, 0, -1
         interval = self._tf_settings.refresh_interval_s
         while True:
+            started = time.monotonic()
             try:
                 if handle is None:
                     handle = await asyncio.to_thread(router_actor.get_router, self.app_name)
-                snap = await asyncio.wait_for(handle.snapshot.remote(), timeout=max(1.0, 10 * interval))
+                    seen = -1
+                poll = handle.wait_snapshot.remote(seen, 1.0)
+                seen, snap = await asyncio.wait_for(poll, timeout=10.0)
                 self._tf_table.update(snap)
                 failures = 0
             except asyncio.CancelledError:
@@ -74,7 +81,8 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
                 handle, failures = None, failures + 1
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning(f"TokenFlow router: reading engine states failed ({failures}x): {e!r}")
-            await asyncio.sleep(interval)
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None) -> List[List]:
         start = time.perf_counter()
@@ -98,6 +106,13 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         table.record(seconds, chosen)
         self._tf_metrics.on_decision(seconds, chosen, table.age(chosen) if chosen is not None else None)
 
+    def on_replica_actor_died(self, replica_id) -> None:
+        # Serve saw it die on a request: stop ranking it before its state ages out.
+        super().on_replica_actor_died(replica_id)
+        table = getattr(self, "_tf_table", None)
+        if table is not None:
+            table.drop(replica_id.unique_id)
+
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
         table = getattr(self, "_tf_table", None)
@@ -118,9 +133,12 @@ TOKENFLOW_ENDPOINTS = {
 class TokenFlowIngress(OpenAiIngress):
     """ray.serve.llm's OpenAI ingress plus GET /health and GET /v1/tokenflow/engines."""
 
-    def __init__(self, llm_deployments, model_cards, *, tokenflow_router: Optional[dict] = None, **kwargs):
+    def __init__(self, llm_deployments, model_cards, *, tokenflow_router: Optional[dict] = None,
+                 max_resends: int = 2, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._tf_settings = ranking.RouterSettings.from_dict(tokenflow_router)
+        self._tf_max_resends = max_resends
+        self._tf_lost = {"resent": 0, "ended_mid_stream": 0, "gave_up": 0}
         self._tf_actor = None
         # Serve creates a handle's request router on its first call. Make one
         # call now, so the router has read the engines' states before the
@@ -138,6 +156,20 @@ class TokenFlowIngress(OpenAiIngress):
             await handle.llm_config.remote()
         except Exception as e:  # only a head start; requests work without it
             logger.info(f"TokenFlow ingress: router warm-up call failed: {e!r}")
+
+    async def _get_response(self, *, body, call_method: str, raw_request=None):
+        # A replica that dies under a request: re-send it if no token went
+        # out yet, else end the stream with an error event (failover.py).
+        def open_stream():
+            return super(TokenFlowIngress, self)._get_response(
+                body=body, call_method=call_method, raw_request=raw_request)
+
+        async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost):
+            yield item
+
+    def _tf_on_lost(self, attempt: int, error: BaseException, flowing: bool) -> None:
+        key = "ended_mid_stream" if flowing else "gave_up" if attempt == self._tf_max_resends else "resent"
+        self._tf_lost[key] += 1
 
     async def health(self):
         # The ingress answers; engine liveness is Serve's health checks' job.
@@ -165,4 +197,5 @@ class TokenFlowIngress(OpenAiIngress):
                 "settings": self._tf_settings.to_dict(),
                 "engines": table.view()["engines"],
                 "routers": {k: t.view() for k, t in list(router_actor.LOCAL_ROUTERS.items())},
+                "replicas_lost": dict(self._tf_lost),
                 "kv_pools": pools}

@@ -34,9 +34,13 @@ from vllm.v1.kv_offload.base import (
 
 def make_host_pool(kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int,
                    pin_memory: bool) -> list[torch.Tensor]:
+    # Written once here, not just allocated: a zeroed allocation maps pages
+    # lazily, so the process would grow by the pool's size as blocks are
+    # first used (seen as a creeping RSS in the soak, docs/RELIABILITY.md),
+    # and a pool that does not fit would fail mid-burst instead of at start.
     return [
-        torch.zeros((num_rows, t.tensor.shape[1] * blocks_per_chunk), dtype=torch.int8,
-                    device="cpu", pin_memory=pin_memory)
+        torch.empty((num_rows, t.tensor.shape[1] * blocks_per_chunk), dtype=torch.int8,
+                    device="cpu", pin_memory=pin_memory).fill_(0)
         for t in kv_caches.tensors
     ]
 

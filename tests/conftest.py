@@ -22,6 +22,12 @@ LOCAL_CONFIG = str(ROOT / "deployments" / "configs" / "local.yaml")
 def serve_app():
     ensure_model()
     settings = launcher.app_settings(LOCAL_CONFIG)
+    if os.environ.get("TOKENFLOW_TEST_REUSE_APP"):
+        # Developer loop: test an app already started with `make serve`
+        # (same config) instead of starting one per session.
+        base = f"http://{settings['host']}:{settings['port']}"
+        yield {"base_url": base, "model": settings["model"], "log": None}
+        return
     base = f"http://{settings['host']}:{settings['port']}"
     log_path = Path(tempfile.gettempdir()) / f"tokenflow-serve-{os.getpid()}.log"
     with open(log_path, "wb") as log:

@@ -1,4 +1,4 @@
-"""`tokenflow` command line: tiny-model, serve, bench, loadtest, dashboards."""
+"""`tokenflow` command line: tiny-model, serve, bench, loadtest, soak, dashboards."""
 
 from __future__ import annotations
 
@@ -48,21 +48,26 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _loadtest():
+def _loadtest(module: str = "runner"):
     # loadtest/ sits beside tokenflow/ in the checkout; an editable install
     # made before loadtest/ existed does not map it, so look there too.
+    import importlib
+
     try:
-        import loadtest.runner as runner
+        return importlib.import_module(f"loadtest.{module}")
     except ModuleNotFoundError:
         from pathlib import Path
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        import loadtest.runner as runner
-    return runner
+        return importlib.import_module(f"loadtest.{module}")
 
 
 def _cmd_loadtest(args) -> int:
     return _loadtest().run(args)
+
+
+def _cmd_soak(args) -> int:
+    return _loadtest("soak").run(args)
 
 
 def _dashboards_module():
@@ -190,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt = sub.add_parser("loadtest", help="streaming readers against a running app, with Locust (headless)")
     _loadtest().add_arguments(lt)
     lt.set_defaults(func=_cmd_loadtest)
+    sk = sub.add_parser("soak", help="requests in bursts against a running app: none lost, memory flat")
+    _loadtest("soak").add_arguments(sk)
+    sk.set_defaults(func=_cmd_soak)
     return p
 
 

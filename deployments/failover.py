@@ -1,0 +1,90 @@
+"""What the ingress does when an engine replica dies under a request.
+
+A request that has not delivered a token yet is re-sent (Serve's router has
+already dropped the dead replica, so the next attempt goes elsewhere); the
+client sees at most a later first token. A stream that has delivered tokens
+cannot be replayed without repeating them, so it ends with an explicit SSE
+error event (then `[DONE]`), never a silent hang or a cut connection.
+
+Chunks with no token (a chat stream's opening role chunk) are held back
+until the first token arrives, so a re-send never shows the client a second
+opening.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator, Callable
+
+from ray import exceptions as ray_exceptions
+
+from actors.engine_state import count_chunk
+
+logger = logging.getLogger("ray.serve")
+
+# How a dead or unreachable replica shows up on a Serve handle's stream.
+# ActorDiedError is a RayActorError.
+REPLICA_LOST = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+LOST_MESSAGE = "the engine serving this request failed"
+
+
+def carries_token(item) -> bool:
+    # Whole responses and error objects are the answer itself.
+    if not isinstance(item, (str, bytes, list, tuple)):
+        return True
+    return count_chunk(item)[0] > 0
+
+
+def lost_event(message: str) -> str:
+    """The SSE event a stream ends with when its engine dies mid-stream
+    (the shape OpenAI clients raise as an APIError)."""
+    err = {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
+    return f"data: {json.dumps(err)}\n\n"
+
+
+def unavailable_response(message: str):
+    """An ErrorResponse the ingress turns into an HTTP 503 JSON body."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+
+    return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
+
+
+async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], resends: int,
+                                   on_lost: Callable[[int, BaseException, bool], None] | None = None) -> AsyncIterator:
+    """Yield the items of open_stream(); re-open it (at most `resends` times)
+    when the replica is lost before any token went out."""
+    for attempt in range(resends + 1):
+        held: list = []
+        flowing = False
+        try:
+            async for item in open_stream():
+                if not flowing:
+                    held.append(item)
+                    if not carries_token(item):
+                        continue
+                    flowing = True
+                    items, held = held, []
+                    for x in items:
+                        yield x
+                    continue
+                yield item
+            for x in held:  # ended without a token (e.g. max_tokens=0)
+                yield x
+            return
+        except REPLICA_LOST as e:
+            if on_lost is not None:
+                on_lost(attempt, e, flowing)
+            if flowing:
+                logger.warning(f"TokenFlow ingress: engine lost mid-stream, ending it with an error event: {e!r}")
+                yield lost_event(f"{LOST_MESSAGE} mid-stream; the response is incomplete")
+                return
+            if attempt == resends:
+                logger.warning(f"TokenFlow ingress: engine lost before the first token, "
+                               f"{resends} re-sends used up: {e!r}")
+                yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
+                                           f"{resends} re-sends failed too; retry later")
+                return
+            logger.warning(f"TokenFlow ingress: engine lost before the first token, re-sending "
+                           f"({attempt + 1}/{resends}): {e!r}")

@@ -1,0 +1,216 @@
+"""Engine replica failure under requests (deployments/failover.py).
+
+The first tests drive the ingress's failover on scripted streams (a replica
+"dies" by raising what a Serve handle raises); the last kills a real engine
+replica's process during a burst on the shared local app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from deployments.failover import LOST_MESSAGE, resend_until_first_token
+
+
+def sse(text: str | None = None, role: bool = False) -> str:
+    delta = {"role": "assistant", "content": ""} if role else {"content": text}
+    return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
+
+
+def scripted(*attempts):
+    """open_stream() for the failover: each call plays the next script; an
+    exception instance in a script is raised at that point."""
+    calls = []
+
+    def open_stream():
+        script = attempts[len(calls)]
+        calls.append(script)
+
+        async def gen():
+            for item in script:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        return gen()
+    return open_stream, calls
+
+
+def run(open_stream, resends=2):
+    lost = []
+
+    async def collect():
+        return [x async for x in resend_until_first_token(open_stream, resends, lambda *a: lost.append(a))]
+    return asyncio.run(collect()), lost
+
+
+def test_lost_before_first_token_is_resent_and_the_role_chunk_not_repeated():
+    open_stream, calls = scripted(
+        [sse(role=True), ActorDiedError()],  # died after the role chunk, before any token
+        [sse(role=True), sse("a"), sse("b")],
+    )
+    out, lost = run(open_stream)
+    assert len(calls) == 2
+    assert out == [sse(role=True), sse("a"), sse("b")]  # one opening, then the tokens
+    assert [(a, flowing) for a, _, flowing in lost] == [(0, False)]
+
+
+def test_whole_responses_are_resent_too():
+    open_stream, calls = scripted([ActorUnavailableError("gone", None)], [{"whole": "answer"}])
+    out, _ = run(open_stream)
+    assert out == [{"whole": "answer"}] and len(calls) == 2
+
+
+def test_lost_mid_stream_ends_with_an_error_event_not_a_replay():
+    open_stream, calls = scripted([sse(role=True), sse("a"), ActorDiedError()], [sse("never")])
+    out, lost = run(open_stream)
+    assert len(calls) == 1  # tokens went out: never re-sent
+    assert out[:2] == [sse(role=True), sse("a")]
+    err = json.loads(out[2][len("data: "):])["error"]
+    assert err["code"] == 503 and LOST_MESSAGE in err["message"]
+    assert lost[0][2] is True
+
+
+def test_resends_are_bounded_then_a_503_error():
+    open_stream, calls = scripted(*[[ActorDiedError()]] * 3)
+    out, _ = run(open_stream, resends=2)
+    assert len(calls) == 3
+    (err,) = out
+    assert err.error.code == 503 and "re-sends failed" in err.error.message
+
+
+def test_other_errors_are_not_swallowed():
+    open_stream, calls = scripted([ValueError("bad request")])
+    with pytest.raises(ValueError):
+        run(open_stream)
+    assert len(calls) == 1
+
+
+# --- a real replica killed during a burst ----------------------------------------
+
+def _engines(base: str) -> dict:
+    import httpx
+
+    return httpx.get(base + "/v1/tokenflow/engines", timeout=30).json()
+
+
+def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    fresh = []
+    while time.monotonic() < deadline:
+        fresh = [e for e in _engines(base)["engines"] if e["fresh"] and e["engine_id"] not in exclude]
+        if len(fresh) >= n:
+            return fresh
+        time.sleep(1.0)
+    raise AssertionError(f"{n} fresh engines not seen in {timeout} s: {fresh}")
+
+
+def _stream(base: str, body: dict) -> dict:
+    """A streaming completion read to its end: text, token chunks, error events."""
+    import httpx
+
+    rec = {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+        rec["status"] = r.status_code
+        if r.status_code != 200:
+            r.read()
+            rec["errors"].append(r.text)
+            return rec
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                rec["done"] = True
+            elif line.startswith("data: "):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    rec["errors"].append(ev["error"])
+                if ev.get("usage"):
+                    rec["tokens"] = ev["usage"]["completion_tokens"]
+                for ch in ev.get("choices") or ():
+                    if ch.get("text"):
+                        rec["text"] += ch["text"]
+                        rec["chunks"] += 1
+    return rec
+
+
+@pytest.mark.slow
+def test_replica_killed_during_a_burst(serve_app):
+    """SIGKILL one engine replica's process while it serves streams (tokens
+    flowing) and whole requests (no token yet): the whole ones are re-sent
+    and answer 200 with the same greedy text; its streams end with an SSE
+    error event and [DONE]; the survivor's streams finish; Serve restarts
+    the replica and the router sends it work again."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    base, model = serve_app["base_url"], serve_app["model"]
+    _wait_engines(base, 2, timeout=300)
+    max_tokens = 2000  # long enough that the burst is still running at the kill
+    prompts = [f"Failover {i}: the river and the mountain" for i in range(24)]
+    stream_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                             "temperature": 0, "consumption_rate": 20}
+    whole_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                            "temperature": 0}
+
+    pool = ThreadPoolExecutor(24)
+    streams = [pool.submit(_stream, base, stream_body(p)) for p in prompts[:12]]
+    wholes = [pool.submit(httpx.post, base + "/v1/completions", json=whole_body(p), timeout=600)
+              for p in prompts[12:]]
+
+    # Pick a victim that holds both kinds: streams that have tokens, and
+    # whole requests (which get nothing until they are done).
+    victim, deadline, seen = None, time.monotonic() + 120, []
+    while victim is None and time.monotonic() < deadline:
+        seen = _engines(base)["engines"]
+        busy = [e for e in seen if e["fresh"] and e["running"] > 0 and e["unary"] > 0]
+        victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
+        if victim is None:
+            time.sleep(0.05)
+    assert victim is not None, f"no engine held streams and whole requests at once: {seen}"
+    assert victim["pid"] > 0
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    stream_recs = [f.result(timeout=600) for f in streams]
+    whole_replies = [f.result(timeout=600) for f in wholes]
+    pool.shutdown()
+
+    # Whole requests: all answered in full, re-sent where their engine died.
+    assert [r.status_code for r in whole_replies] == [200] * 12, [r.text[:200] for r in whole_replies]
+    assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
+    # Streams: every one ended explicitly ([DONE]); complete or with an error event.
+    cut = [s for s in stream_recs if s["errors"]]
+    assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
+    assert cut, "the victim's streams ended without an error event"
+    for s in cut:
+        assert s["errors"][0]["code"] == 503 and s["chunks"] > 0 and s["tokens"] is None
+    assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"]), stream_recs
+    lost = _engines(base)["replicas_lost"]
+    assert lost["ended_mid_stream"] >= len(cut) and lost["resent"] >= 1, lost
+
+    # A re-sent answer is the answer: greedy, same text as a fresh run.
+    again = httpx.post(base + "/v1/completions", json=whole_body(prompts[12]), timeout=600).json()
+    assert again["choices"][0]["text"] == whole_replies[0].json()["choices"][0]["text"]
+
+    # Serve restarts the replica (a new id); the router then sends it work.
+    (newcomer, *_) = [e for e in _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
+                      if e["engine_id"] != victim["engine_id"] and e["received_total"] == 0] or [None]
+    assert newcomer is not None, "no restarted engine seen"
+    # Its state may be pushed before Serve lists the replica as running:
+    # keep sending small batches until it receives some (bounded).
+    body = {"model": model, "prompt": "after the restart", "max_tokens": 8, "temperature": 0}
+    deadline, used = time.monotonic() + 180, 0
+    while used == 0 and time.monotonic() < deadline:
+        with ThreadPoolExecutor(8) as p:
+            replies = list(p.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=300), range(8)))
+        assert [r.status_code for r in replies] == [200] * 8
+        time.sleep(0.5)  # one push interval and then some
+        used = {e["engine_id"]: e for e in _engines(base)["engines"]}[newcomer["engine_id"]]["received_total"]
+    assert used > 0, "the router never used the restarted engine"
