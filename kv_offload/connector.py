@@ -9,6 +9,13 @@ Load with kv_transfer_config
 - `tokenflow_host_blocks()`, `tokenflow_request_host_blocks(req_id)`: pool
   capacity and a request's loadable blocks, for the policy's views.
 - `host_pool`: the scheduler-side HostPoolManager and its counters.
+- `tokenflow_set_store_priority(fn)`: the scheduler hands over its readers'
+  buffers; each step's store work is then capped to a budget and spent on
+  the largest buffers first (kv_offload/store_budget.py), by capping vLLM's
+  per-request `max_offload_tokens` for that one step.
+
+Extra config keys read here: `store_share` (0.5; share of the engine's time
+stores may take; 0 turns the budget off) and `store_max_credit_s` (0.1).
 
 Why a subclass: the speed is measured on the workers (possibly other
 processes) and reaches the scheduler only inside the connector's
@@ -18,10 +25,14 @@ stats, out of the manager's sight. Everything else is the stock connector.
 
 from __future__ import annotations
 
+import time
+from itertools import chain
+
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 from kv_offload.manager import HostPoolManager
+from kv_offload.store_budget import PendingStore, StoreBudget
 
 
 def host_pool_of(connector) -> HostPoolManager | None:
@@ -31,7 +42,71 @@ def host_pool_of(connector) -> HostPoolManager | None:
     return manager if isinstance(manager, HostPoolManager) else None
 
 
+def store_budget_from(extra: dict) -> StoreBudget | None:
+    share = float(extra.get("store_share", StoreBudget.share))
+    if share == 0:
+        return None
+    return StoreBudget(share=share, max_credit_s=float(extra.get("store_max_credit_s", StoreBudget.max_credit_s)))
+
+
 class TokenFlowOffloadingConnector(OffloadingConnector):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.store_budget = store_budget_from(extra)
+        self._store_priority = None  # req_id -> float, from the TokenFlow scheduler
+
+    def tokenflow_set_store_priority(self, fn) -> None:
+        self._store_priority = fn
+
+    # --- store budget -------------------------------------------------------
+    def build_connector_meta(self, scheduler_output):
+        s = self.connector_scheduler
+        caps = self._store_caps(scheduler_output, s) if s is not None else {}
+        saved = {}
+        for rid, cap in caps.items():
+            st = s._req_status[rid]
+            saved[rid] = st.max_offload_tokens
+            st.max_offload_tokens = cap if saved[rid] is None else min(cap, saved[rid])
+        try:
+            return super().build_connector_meta(scheduler_output)
+        finally:
+            # The cap is for this step only; what it held back stays
+            # pending (vLLM's pointer stops at the cap) for the next ones.
+            for rid, old in saved.items():
+                st = s._req_status.get(rid)
+                if st is not None:
+                    st.max_offload_tokens = old
+
+    def _store_caps(self, so, s) -> dict[str, int]:
+        """req_id -> token cap for this step's stores (vLLM's own fields)."""
+        budget, pool = self.store_budget, self.host_pool
+        # Hybrid models (several KV groups: sliding window, mamba) keep
+        # vLLM's stores: a cap there would bend their alignment rules.
+        if budget is None or pool is None or len(s.config.kv_group_configs) != 1:
+            return {}
+        if not budget.refill(pool.counters.store_tps, time.monotonic()):
+            return {}
+        tpc = s.config.kv_group_configs[0].tokens_per_chunk
+        priority = self._store_priority
+        pending = []
+        for rid in chain(so.num_scheduled_tokens, so.finished_req_ids or ()):
+            st = s._req_status.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            # The same horizon vLLM computes in _build_store_jobs.
+            if req.is_finished():
+                end = max(req.num_prompt_tokens, req.num_tokens - 1)
+            else:
+                end = req.num_computed_tokens + so.num_scheduled_tokens[rid]
+            nxt = st.group_states[0].next_stored_chunk_idx
+            ready = s._calc_num_offloadable_tokens(st, end) // tpc - nxt
+            if ready > 0:
+                prio = float("-inf") if req.is_finished() else (priority(rid) if priority else 0.0)
+                pending.append(PendingStore(rid, prio, nxt, ready))
+        return {rid: chunk * tpc for rid, chunk in budget.allot(pending, tpc).items()}
+
     @property
     def host_pool(self) -> HostPoolManager | None:
         return host_pool_of(self)

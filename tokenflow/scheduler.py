@@ -83,6 +83,9 @@ class TokenFlowMixin:
         self._host_blocks_of = self._offload_hook("tokenflow_request_host_blocks")
         self._host_pool_size = self._offload_hook("tokenflow_host_blocks")
         self._transfer_meter = self._offload_hook("tokenflow_transfer_tps")
+        # Write-through goes to the largest buffers first (likeliest to pause).
+        if (set_priority := self._offload_hook("tokenflow_set_store_priority")) is not None:
+            set_priority(self._buffer_seconds_of)
         logger.info("TokenFlow scheduler: %s", self.tf_config)
 
     # --- vLLM hooks -------------------------------------------------------
@@ -227,6 +230,10 @@ class TokenFlowMixin:
             host_blocks=self._host_pool_size() if self._host_pool_size else 0,
         )
         return views, eng
+
+    def _buffer_seconds_of(self, req_id: str) -> float:
+        reader = self.readers.get(req_id)
+        return reader.buffer_seconds(self.clock()) if reader is not None and reader.delivered else 0.0
 
     def _offload_hook(self, name: str):
         """A method of TokenFlow's offloading connector (kv_offload/), if in use."""
