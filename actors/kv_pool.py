@@ -105,7 +105,6 @@ class PoolAccounting:
     def unregister(self, engine_id: str) -> None:
         self.engines.pop(engine_id, None)
 
-    @ray.method(enable_task_events=False)  # periodic: no GCS task record each time
     def report(self, engine_id: str, counters: dict) -> int:
         self.register(engine_id)  # a report also proves the engine is alive
         self.engines[engine_id]["counters"] = dict(counters or {})
