@@ -278,7 +278,10 @@ Found and fixed by the soak:
 
 Known gap: vLLM's worker process still grows (the 10-14% above), which the
 10% target misses; the same engine in one process with the same request mix
-grows 3.9% over 2,900 requests (1.8% without pauses). Not yet traced;
+grows 3.9% over 2,900 requests (1.8% without pauses), with no growing
+Python object type (a `gc` census before and after 1,440 requests), and
+`MALLOC_ARENA_MAX=2` for the replicas did not change it (11.4% and 6.9% in
+a repeat soak), so it is native memory in the worker. Not yet traced;
 tests/test_overload.py holds vLLM's processes to 25% and everything else to
 10%.
 """
