@@ -9,6 +9,9 @@ Load with kv_transfer_config
 - `tokenflow_host_blocks()`, `tokenflow_request_host_blocks(req_id)`: pool
   capacity and a request's loadable blocks, for the policy's views.
 - `host_pool`: the scheduler-side HostPoolManager and its counters.
+- `tokenflow_skip_reload(req_id)`: the policy chose to recompute this
+  resumed request (prefill beats the transfer at measured speeds), so its
+  next lookup reports no host hit and vLLM prefills it.
 - `tokenflow_set_store_priority(fn)`: the scheduler hands over its readers'
   buffers; each step's store work is then capped to a budget and spent on
   the largest buffers first (kv_offload/store_budget.py), by capping vLLM's
@@ -55,6 +58,36 @@ class TokenFlowOffloadingConnector(OffloadingConnector):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.store_budget = store_budget_from(extra)
         self._store_priority = None  # req_id -> float, from the TokenFlow scheduler
+        self._skip_reload: set[str] = set()  # resumes the policy chose to recompute
+        self.reloads_skipped = 0
+
+    # --- reload or recompute --------------------------------------------------
+    def tokenflow_skip_reload(self, req_id: str) -> None:
+        self._skip_reload.add(req_id)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        # Asked again each step the request waits for memory: the choice holds
+        # until it is allocated (update_state_after_alloc) or finished. The
+        # stock lookup still runs (it resets the request's block bookkeeping);
+        # vLLM's own per-request switch makes it report no host hit.
+        if request.request_id not in self._skip_reload:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        saved = request.skip_reading_prefix_cache
+        request.skip_reading_prefix_cache = True
+        try:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        finally:
+            request.skip_reading_prefix_cache = saved
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if request.request_id in self._skip_reload:
+            self._skip_reload.discard(request.request_id)
+            self.reloads_skipped += 1
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._skip_reload.discard(request.request_id)
+        return super().request_finished(request, block_ids)
 
     def tokenflow_set_store_priority(self, fn) -> None:
         self._store_priority = fn

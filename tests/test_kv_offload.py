@@ -204,9 +204,11 @@ class Run:
     scheduler_tps: float | None = None
     pinned_after: int = 0
     deferred_chunks: int | None = None  # store-budget deferrals (TokenFlow connector)
+    reloads_skipped: int | None = None  # resumes the policy chose to recompute
 
 
-def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | None = None) -> Run:
+def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | None = None,
+              patch=None) -> Run:
     from kv_offload import spec as spec_mod
     from kv_offload.connector import host_pool_of
     from tests.engines import burst_prompts, make_llm, scheduler_of
@@ -220,6 +222,8 @@ def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | 
     try:
         llm = make_llm(TF if tokenflow else None, FAST if tokenflow else None, **kw)
         sched = scheduler_of(llm)
+        if patch is not None:
+            patch(sched)
         rec = watch_resumes(sched)
         prompts = burst_prompts()
         outs = llm.generate(prompts, [greedy() for _ in prompts], use_tqdm=False)
@@ -232,6 +236,7 @@ def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | 
             scheduler_tps=sched._transfer_tps() if tokenflow else None,
             pinned_after=pool.pinned_blocks() if pool else 0,
             deferred_chunks=getattr(getattr(sched.connector, "store_budget", None), "deferred_chunks", None),
+            reloads_skipped=getattr(sched.connector, "reloads_skipped", None),
         )
         del llm, sched
         gc.collect()
@@ -300,6 +305,20 @@ def test_store_budget_spends_on_the_largest_buffers_first():
     assert b.credit_tokens == pytest.approx(500.0)
     with pytest.raises(ValueError, match="store_share"):
         StoreBudget(share=1.5)
+
+
+@pytest.mark.slow
+def test_resumes_the_policy_prices_as_recompute_are_recomputed(baseline):
+    # Price every reload above its prefill (as a slow bus would): released
+    # requests come back by recompute although the host pool holds their KV.
+    def recompute_always(sched):
+        sched.policy.reload_beats_recompute = lambda r, eng: False
+
+    run = run_burst(kv_offload.kv_transfer_config(host_pool_bytes=64 << 20), patch=recompute_always)
+    assert run.stats.pauses_release > 0 and run.counters.blocks_stored > 0
+    assert run.reloads_skipped > 0, "no resume was steered to recompute"
+    assert max(run.resumes.recomputed) >= BLOCK, "every resume still reloaded"
+    assert run.tokens == baseline
 
 
 @pytest.mark.slow

@@ -130,7 +130,8 @@ def test_decision_invariants(pop, name):
     by_id = {r.req_id: r for r in reqs}
     assert all(by_id[i].phase == Phase.WAITING for i in d.admit + d.defer)
     assert all(by_id[i].phase != Phase.WAITING for i in d.run + d.pause_hold + d.pause_release)
-    assert set(d.reload) <= set(d.run)
+    assert set(d.reload) <= set(d.run) and set(d.recompute) <= set(d.run)
+    assert not set(d.reload) & set(d.recompute)
     if d.fallback_fcfs:
         return
     on_device = d.run + d.admit
@@ -226,6 +227,8 @@ def reference_decide(policy, reqs, eng):
                 need += r.blocks
                 if policy.reload_beats_recompute(r, eng):
                     d.reload.append(r.req_id)
+                elif eng.transfer_tps and r.host_blocks:
+                    d.recompute.append(r.req_id)
     chosen_ids = set(d.run) | set(d.admit)
     d.defer = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]
     losers = [r for r in reqs if r.phase is not Phase.WAITING and r.req_id not in chosen_ids]
@@ -303,3 +306,31 @@ def test_decide_matches_reference_on_bench_populations():
                 d = policy.decide(reqs, e)
                 assert d is not None and not d.fallback_fcfs
                 assert d == reference_decide(policy, reqs, e)
+
+
+def test_resume_mode_follows_the_measured_costs():
+    """A released request comes back by reload when moving its host blocks
+    is faster than prefilling its context, by recompute when prefill is
+    faster, and as vLLM does by default (load what the host has) when no
+    transfer speed has been measured yet."""
+    def released(i, tokens, host_blocks):
+        return RequestView(req_id=f"p{i}", phase=Phase.PAUSED, arrival_time=0.0, rate=10.0, buffer_tokens=0.0,
+                           num_output=10, max_tokens=100, num_tokens=tokens, blocks=tokens // 16 + 1,
+                           kv_resident=False, host_blocks=host_blocks)
+
+    waiting = RequestView(req_id="w", phase=Phase.WAITING, arrival_time=1.0, rate=10.0, buffer_tokens=0.0,
+                          num_output=0, max_tokens=100, num_tokens=16, blocks=2)
+    reqs = [released(0, 1600, 100), released(1, 1600, 0), waiting]
+
+    def decide(transfer_tps, prefill_tps):
+        eng = EngineView(now=10.0, block_size=16, total_blocks=1000, free_blocks=1000, max_num_seqs=8,
+                         decode_tps=1000.0, step_rate=50.0, prefill_tps=prefill_tps, transfer_tps=transfer_tps)
+        return TokenFlowPolicy(TokenFlowConfig()).decide(reqs, eng)
+
+    fast_bus = decide(transfer_tps=1e6, prefill_tps=1e3)  # 1.6 ms to load, 1.6 s to prefill
+    assert fast_bus.reload == ["p0"] and fast_bus.recompute == []
+    slow_bus = decide(transfer_tps=1e2, prefill_tps=1e5)  # 16 s to load, 16 ms to prefill
+    assert slow_bus.reload == [] and slow_bus.recompute == ["p0"]
+    unmeasured = decide(transfer_tps=None, prefill_tps=1e5)
+    assert unmeasured.reload == [] and unmeasured.recompute == []
+    assert {"p0", "p1"} <= set(fast_bus.run)  # p1 has nothing on the host: recompute either way

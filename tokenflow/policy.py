@@ -86,6 +86,9 @@ class Decision:
     admit: list[str] = field(default_factory=list)  # waiting requests let in now
     defer: list[str] = field(default_factory=list)  # waiting requests held back
     reload: list[str] = field(default_factory=list)  # released ones to reload, not recompute
+    # Released ones resumed by recompute although the host holds their KV:
+    # at the measured speeds, prefill beats the transfer.
+    recompute: list[str] = field(default_factory=list)
     fallback_fcfs: bool = False
 
 
@@ -251,6 +254,8 @@ class TokenFlowPolicy:
                 need += r.blocks
                 if self.reload_beats_recompute(r, eng):
                     d.reload.append(r.req_id)
+                elif eng.transfer_tps and r.host_blocks:
+                    d.recompute.append(r.req_id)  # unmeasured: vLLM loads what the host has
         chosen_ids = set(d.run)
         chosen_ids.update(d.admit)
         # The pool keeps the given order, which the unchosen keep too.

@@ -83,6 +83,7 @@ class TokenFlowMixin:
         self._host_blocks_of = self._offload_hook("tokenflow_request_host_blocks")
         self._host_pool_size = self._offload_hook("tokenflow_host_blocks")
         self._transfer_meter = self._offload_hook("tokenflow_transfer_tps")
+        self._skip_reload = self._offload_hook("tokenflow_skip_reload")
         # Write-through goes to the largest buffers first (likeliest to pause).
         if (set_priority := self._offload_hook("tokenflow_set_store_priority")) is not None:
             set_priority(self._buffer_seconds_of)
@@ -276,6 +277,9 @@ class TokenFlowMixin:
             self.waiting.remove_request(req)
             self.released[req_id] = req
             self.tf_stats.pauses_release += 1
+        if self._skip_reload is not None:
+            for req_id in d.recompute:  # the connector then reports no host hit for it
+                self._skip_reload(req_id)
         self._resume(d.run, d.admit)
 
     def _pausable(self, req: Request) -> bool:
