@@ -231,7 +231,7 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
 - Counts: `replicas_lost` in `GET /v1/tokenflow/engines` (`resent`,
   `ended_mid_stream`, `gave_up`).
 
-Test (tests/test_failover.py, live app): 12 streams and 12 whole requests
+Test (tests/test_failover.py, live app): 16 streams and 16 whole requests
 of 2,000 tokens; SIGKILL the replica process holding both kinds; every whole
 request answers 200 with all 2,000 tokens and the same greedy text as a fresh
 run; the victim's streams end with the error event and `[DONE]`, the
