@@ -225,9 +225,10 @@ def reference_decide(policy, reqs, eng):
             d.run.append(r.req_id)
             if not r.kv_resident:
                 need += r.blocks
-                if policy.reload_beats_recompute(r, eng):
+                mode = policy.resume_mode(r, eng)
+                if mode == "reload":
                     d.reload.append(r.req_id)
-                elif eng.transfer_tps and r.host_blocks:
+                elif mode == "recompute":
                     d.recompute.append(r.req_id)
     chosen_ids = set(d.run) | set(d.admit)
     d.defer = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]

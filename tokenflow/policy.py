@@ -252,10 +252,11 @@ class TokenFlowPolicy:
             d.run.append(r.req_id)
             if not r.kv_resident:
                 need += r.blocks
-                if self.reload_beats_recompute(r, eng):
+                mode = self.resume_mode(r, eng)
+                if mode == "reload":
                     d.reload.append(r.req_id)
-                elif eng.transfer_tps and r.host_blocks:
-                    d.recompute.append(r.req_id)  # unmeasured: vLLM loads what the host has
+                elif mode == "recompute":
+                    d.recompute.append(r.req_id)
         chosen_ids = set(d.run)
         chosen_ids.update(d.admit)
         # The pool keeps the given order, which the unchosen keep too.
@@ -275,9 +276,13 @@ class TokenFlowPolicy:
                 d.pause_hold.append(r.req_id)
         return d
 
-    def reload_beats_recompute(self, r: RequestView, eng: EngineView) -> bool:
+    def resume_mode(self, r: RequestView, eng: EngineView) -> str | None:
+        """How a released request comes back (step 6): "reload" when moving
+        its host blocks beats prefilling its context, else "recompute". None
+        when there is nothing to weigh (no transfer measured yet, or nothing
+        on the host): vLLM then loads whatever the host holds."""
         if not eng.transfer_tps or r.host_blocks == 0:
-            return False
+            return None
         t_io = r.host_blocks * eng.block_size / eng.transfer_tps
         t_prefill = r.num_tokens / eng.prefill_tps if eng.prefill_tps else math.inf
-        return t_io < t_prefill
+        return "reload" if t_io < t_prefill else "recompute"
