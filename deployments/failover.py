@@ -51,40 +51,42 @@ def unavailable_response(message: str):
     return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
 
 
+# What became of a request whose replica was lost (counted by the ingress).
+OUTCOMES = ("resent", "ended_mid_stream", "gave_up")
+
+
 async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], resends: int,
-                                   on_lost: Callable[[int, BaseException, bool], None] | None = None) -> AsyncIterator:
+                                   on_lost: Callable[[str], None] | None = None) -> AsyncIterator:
     """Yield the items of open_stream(); re-open it (at most `resends` times)
-    when the replica is lost before any token went out."""
+    when the replica is lost before any token went out. on_lost hears each
+    loss as one of OUTCOMES."""
     for attempt in range(resends + 1):
         held: list = []
         flowing = False
         try:
             async for item in open_stream():
-                if not flowing:
-                    held.append(item)
-                    if not carries_token(item):
-                        continue
-                    flowing = True
-                    items, held = held, []
-                    for x in items:
-                        yield x
+                if flowing:
+                    yield item
                     continue
-                yield item
+                held.append(item)
+                if carries_token(item):
+                    flowing = True
+                    for x in held:
+                        yield x
+                    held = []
             for x in held:  # ended without a token (e.g. max_tokens=0)
                 yield x
             return
         except REPLICA_LOST as e:
+            outcome = "ended_mid_stream" if flowing else "gave_up" if attempt == resends else "resent"
             if on_lost is not None:
-                on_lost(attempt, e, flowing)
-            if flowing:
-                logger.warning(f"TokenFlow ingress: engine lost mid-stream, ending it with an error event: {e!r}")
+                on_lost(outcome)
+            logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}; "
+                           f"attempt {attempt + 1} of {resends + 1}): {e!r}")
+            if outcome == "ended_mid_stream":
                 yield lost_event(f"{LOST_MESSAGE} mid-stream; the response is incomplete")
                 return
-            if attempt == resends:
-                logger.warning(f"TokenFlow ingress: engine lost before the first token, "
-                               f"{resends} re-sends used up: {e!r}")
+            if outcome == "gave_up":
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
                                            f"{resends} re-sends failed too; retry later")
                 return
-            logger.warning(f"TokenFlow ingress: engine lost before the first token, re-sending "
-                           f"({attempt + 1}/{resends}): {e!r}")

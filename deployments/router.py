@@ -138,7 +138,7 @@ class TokenFlowIngress(OpenAiIngress):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._tf_settings = ranking.RouterSettings.from_dict(tokenflow_router)
         self._tf_max_resends = max_resends
-        self._tf_lost = {"resent": 0, "ended_mid_stream": 0, "gave_up": 0}
+        self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
         self._tf_actor = None
         # Serve creates a handle's request router on its first call. Make one
         # call now, so the router has read the engines' states before the
@@ -167,9 +167,8 @@ class TokenFlowIngress(OpenAiIngress):
         async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost):
             yield item
 
-    def _tf_on_lost(self, attempt: int, error: BaseException, flowing: bool) -> None:
-        key = "ended_mid_stream" if flowing else "gave_up" if attempt == self._tf_max_resends else "resent"
-        self._tf_lost[key] += 1
+    def _tf_on_lost(self, outcome: str) -> None:
+        self._tf_lost[outcome] += 1
 
     async def health(self):
         # The ingress answers; engine liveness is Serve's health checks' job.
