@@ -44,17 +44,30 @@ class SoakReport:
     lost: list = field(default_factory=list)  # the first few, why
     seconds: float = 0.0
     tokens: int = 0
-    rss_mib_after_warmup: dict = field(default_factory=dict)
-    rss_mib_end: dict = field(default_factory=dict)
-    rss_growth_max: dict = field(default_factory=dict)  # worst sample after warm-up, relative
-    rss_trace: dict = field(default_factory=dict)  # label -> MiB after each burst from warm-up on
+    # label -> MiB after each burst from warm-up on; the first is the baseline
+    rss_trace: dict = field(default_factory=dict)
+
+    @property
+    def rss_mib_after_warmup(self) -> dict:
+        return {k: t[0] for k, t in self.rss_trace.items()}
+
+    @property
+    def rss_mib_end(self) -> dict:
+        return {k: t[-1] for k, t in self.rss_trace.items()}
+
+    @property
+    def rss_growth_max(self) -> dict:
+        """label -> worst sample relative to the baseline."""
+        return {k: round(max(t) / t[0] - 1, 4) for k, t in self.rss_trace.items() if t[0]}
 
     @property
     def worst_growth(self) -> float:
         return max(self.rss_growth_max.values(), default=0.0)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "worst_rss_growth": round(self.worst_growth, 4)}
+        return {**asdict(self), "rss_mib_after_warmup": self.rss_mib_after_warmup,
+                "rss_mib_end": self.rss_mib_end, "rss_growth_max": self.rss_growth_max,
+                "worst_rss_growth": round(self.worst_growth, 4)}
 
 
 def serving_processes() -> dict[str, int]:
@@ -180,16 +193,8 @@ def _sample_memory(rep: SoakReport, s: SoakSettings, sent: int, pids: dict[str, 
         return
     if not pids:  # the first sample after warm-up is the baseline
         pids.update(serving_processes())
-        rep.rss_mib_after_warmup = {k: round(v, 1) for k, v in rss_mib(pids).items()}
-        rep.rss_trace = {k: [v] for k, v in rep.rss_mib_after_warmup.items()}
-        return
-    now = rss_mib(pids)
-    rep.rss_mib_end = {k: round(v, 1) for k, v in now.items()}
-    for k, v in now.items():
+    for k, v in rss_mib(pids).items():  # a process that exited has no new sample
         rep.rss_trace.setdefault(k, []).append(round(v, 1))
-        base = rep.rss_mib_after_warmup.get(k)
-        if base:
-            rep.rss_growth_max[k] = round(max(rep.rss_growth_max.get(k, -1.0), v / base - 1), 4)
 
 
 def add_arguments(p) -> None:
