@@ -19,7 +19,6 @@ get_if_exists, pinned to the node, so there is never more than one per node.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 from dataclasses import asdict, dataclass

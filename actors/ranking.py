@@ -27,7 +27,6 @@ that uses up the slack is split in proportion to it; beyond that, evenly.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -56,8 +55,8 @@ class RouterSettings:
     def __post_init__(self) -> None:
         require_positive(self, ("push_interval_s", "stale_after_s", "refresh_interval_s", "horizon_s",
                                 "capacity_tps", "pending_ttl_s"), "router")
-        if self.reader_rate is not None and not (self.reader_rate > 0 and math.isfinite(self.reader_rate)):
-            raise ValueError(f"router.reader_rate must be a positive number, got {self.reader_rate!r}")
+        if self.reader_rate is not None:
+            require_positive(self, ("reader_rate",), "router")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "RouterSettings":
@@ -118,16 +117,20 @@ def slack(state: EngineState, s: RouterSettings, peer_tps: float = 0.0) -> float
     return s.horizon_s * spare_readers + state.buffer_s_capped
 
 
+def peer_tps(states) -> float:
+    """The best decode rate any of these engines has shown (see slack)."""
+    return max((st.peak_tps for st in states), default=0.0)
+
+
 def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RouterSettings) -> list[str]:
     """Engine ids, best first, for the next request. Callers pass only fresh states."""
-
-    peer_tps = max((st.peak_tps for st in states.values()), default=0.0)
+    best = peer_tps(states.values())
 
     def key(eid: str):
         st, p = states[eid], pending.get(eid, 0)
         # A sent request will show as one more reader: H reader-seconds less.
         # Ties: least loaded, then by id so the order is deterministic.
-        return (-(slack(st, s, peer_tps) - s.horizon_s * p), st.load + p, eid)
+        return (-(slack(st, s, best) - s.horizon_s * p), st.load + p, eid)
 
     return sorted(states, key=key)
 
@@ -258,12 +261,12 @@ class RoutingTable:
         now = self._clock() if now is None else now
         pending = self.pending(now)
         engines = []
-        peer_tps = max((st.peak_tps for st in self._states.values()), default=0.0)
+        best = peer_tps(self._states.values())
         for eid, st in sorted(self._states.items()):
             age = now - self._born[eid]
             engines.append({**st.to_dict(), "age_s": round(age, 4),
                             "fresh": age <= self.settings.stale_after_s,
-                            "slack_s": round(slack(st, self.settings, peer_tps), 3),
+                            "slack_s": round(slack(st, self.settings, best), 3),
                             "pending": pending.get(eid, 0),
                             "routed": self.decisions.get(eid, 0)})
         return {"engines": engines, "fallbacks": self.fallbacks,

@@ -43,7 +43,7 @@ class RouterState:
         # arrival, less the transit since the engine sent it.
         self._received: dict[str, float] = {}
         self.pushes = 0
-        self._changed: asyncio.Event | None = None  # set on every push; long polls wait on it
+        self._changed = asyncio.Event()  # set on every push; long polls wait on it
 
     # Every method is async, so all run on the actor's one event loop (the
     # long poll's Event is not thread-safe). The frequent calls keep no task
@@ -58,8 +58,7 @@ class RouterState:
         transit = min(max(time.time() - float(state.get("sent_at") or time.time()), 0.0), 1.0)
         self._received[eid] = time.monotonic() - transit
         self.pushes += 1
-        if self._changed is not None:
-            self._changed.set()
+        self._changed.set()
 
     async def forget(self, engine_id: str) -> None:
         self._forget(engine_id)
@@ -83,8 +82,6 @@ class RouterState:
     async def wait_snapshot(self, after: int, timeout_s: float = 1.0) -> tuple[int, dict]:
         """(push count, snapshot) as soon as there has been a push past `after`,
         or after timeout_s (then possibly unchanged: ages still advance)."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
         if self.pushes <= after:
             self._changed.clear()
             try:

@@ -89,10 +89,10 @@ class TokenFlowOffloadingConnector(OffloadingConnector):
         self._skip_reload.discard(request.request_id)
         return super().request_finished(request, block_ids)
 
+    # --- store budget -------------------------------------------------------
     def tokenflow_set_store_priority(self, fn) -> None:
         self._store_priority = fn
 
-    # --- store budget -------------------------------------------------------
     def build_connector_meta(self, scheduler_output):
         s = self.connector_scheduler
         caps = self._store_caps(scheduler_output, s) if s is not None else {}
