@@ -197,9 +197,12 @@ class HostPoolManager(OffloadingManager):
         if self._events is not None and keys:
             self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed))
 
-    def pinned_blocks(self) -> int:
-        """Blocks an in-flight transfer holds (0 when the engine is idle)."""
-        return sum(s.busy for tier in (self._idle, self._live) for s in tier.values())
+    def pinned_blocks(self, keys: Iterable[OffloadKey] | None = None) -> int:
+        """Blocks (all, or of `keys`) an in-flight transfer holds; 0 once the
+        engine has drained."""
+        slots = (self._slot(k) for k in keys) if keys is not None else \
+            (s for tier in (self._idle, self._live) for s in tier.values())
+        return sum(s.busy for s in slots if s is not None)
 
     def tier_of(self, key: OffloadKey) -> str | None:
         """"live" (a live request relies on it), "idle", or None (not stored)."""

@@ -54,5 +54,18 @@ def scheduler_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def drain(llm, max_steps: int = 1000) -> int:
+    """Step the engine until its scheduler has nothing left, as a server's
+    engine loop does. LLM.generate returns once every output is final, but
+    write-through started by the last steps completes only on later steps
+    (vLLM keeps stepping for it: `has_pending_push_work`). Returns the steps."""
+    core = llm.llm_engine.engine_core.engine_core
+    for n in range(max_steps):
+        if not core.scheduler.has_requests():
+            return n
+        core.step()
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
 def burst_prompts(n: int = 24) -> list[str]:
     return [f"Question {i}: the reader stream buffer {i * 7} when river mountain" for i in range(n)]
