@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 PROMETHEUS ?= /usr/bin/prometheus
 
-.PHONY: install model serve test clean prometheus
+.PHONY: install model serve test clean prometheus tcmalloc
 
 install: $(STAMP)
 
@@ -27,7 +27,17 @@ model: $(MODEL)/model.safetensors
 $(MODEL)/model.safetensors: $(STAMP)
 	$(VENV)/bin/tokenflow tiny-model $(MODEL)
 
-serve: install model
+# vLLM's CPU engines keep their memory flat only with tcmalloc (glibc's
+# malloc fragments: docs/RELIABILITY.md). Debian's package, installed once
+# where root (or sudo) is at hand; without it the app still runs, with a note.
+tcmalloc:
+	@[ "$(EXTRA)" != cpu ] || ldconfig -p | grep -q libtcmalloc_minimal || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  { $$SUDO apt-get update -qq && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4; } \
+	  || echo "note: libtcmalloc-minimal4 not installed; engines use glibc malloc (memory creeps, see docs/RELIABILITY.md)"; }
+
+serve: install model tcmalloc
 	$(VENV)/bin/tokenflow serve $(CONFIG)
 
 # tests/test_observability.py scrapes the app with a real Prometheus:
@@ -38,7 +48,7 @@ prometheus:
 	  $$SUDO apt-get update -qq && \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: install model prometheus
+test: install model prometheus tcmalloc
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:

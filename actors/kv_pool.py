@@ -1,10 +1,14 @@
 """Node KV pool actors: one per Ray node that runs engines.
 
-Each owns the accounting of its node's host KV pool: the total size, each
-engine's quota (an equal share among the engines registered on the node),
-and the usage and transfer counters engines report. The storage itself
-(kv_offload/) is wired to this later through the small API below:
+Each owns its node's host KV pool: with offload on, the memory itself (one
+shared-memory file, kv_offload/host_shm.py, committed when the actor starts)
+and which engine holds which slot of it; always, the accounting (each
+engine's quota, an equal share) and the usage and transfer counters engines
+report:
 
+    acquire_slot(engine_id, pid) -> host_shm.Region as a dict (before the
+                                    engine starts; a restarted engine reuses
+                                    the slot its predecessor left)
     register_engine(engine_id) -> quota_bytes
     report(engine_id, counters) -> quota_bytes   (quotas shrink as engines join)
     unregister_engine(engine_id)
@@ -14,6 +18,9 @@ The app builder creates one per alive node that can host an engine; an
 engine also asks for its own node's pool when it starts (a node added
 later). Both use a detached actor named after the node id with
 get_if_exists, pinned to the node, so there is never more than one per node.
+If the actor itself restarts, it commits a new file; engines already running
+keep the old one (freed when they exit), so for that while the node holds
+more than its pool.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import ray
 
+from kv_offload import host_shm
 from tokenflow.config import check_keys, require_positive
 
 NAMESPACE = "tokenflow"
@@ -45,6 +53,11 @@ class KVPoolSettings:
     # each engine's tier is fixed at size / engines_per_node when it starts,
     # so the engines of a node never hold more than the node's pool.
     engines_per_node: int = 1
+    # The pool is one shared-memory file the node's actor commits at start;
+    # engines map their slot of it. False: each engine allocates its own
+    # share in its worker process (same size, no sharing, no reuse).
+    shared_memory: bool = True
+    shm_dir: str = "/dev/shm"  # a tmpfs with room for size_bytes
     report_interval_s: float = 1.0  # how often engines report their counters
     engine_ttl_s: float = 30.0  # an engine silent this long gives its share back
 
@@ -122,6 +135,50 @@ class PoolAccounting:
                 "totals": totals}
 
 
+class PoolFull(RuntimeError):
+    pass
+
+
+@dataclass
+class SlotHolder:
+    engine_id: str
+    pid: int  # 0 once the engine said goodbye (its workers may still map it)
+
+
+class SlotTable:
+    """Which engine holds which slot of the node's pool file (pure; `held`
+    tells whether a holder still uses its slot: pid alive or mapped)."""
+
+    def __init__(self, slots: int, held):
+        self.holders: list[SlotHolder | None] = [None] * slots
+        self.held = held  # (slot, SlotHolder) -> bool
+        self.reused = 0  # slots handed on from a gone engine
+
+    def acquire(self, engine_id: str, pid: int) -> int:
+        for i, h in enumerate(self.holders):
+            if h is not None and h.engine_id == engine_id:
+                h.pid = pid
+                return i
+        free = [i for i, h in enumerate(self.holders) if h is None]
+        if not free:
+            free = [i for i, h in enumerate(self.holders) if not self.held(i, h)]
+            self.reused += bool(free)
+        if not free:
+            raise PoolFull(f"all {len(self.holders)} host KV slots of this node are held by live engines "
+                           f"({', '.join(h.engine_id for h in self.holders)}); "
+                           "raise kv_pool.engines_per_node to run more engines per node")
+        self.holders[free[0]] = SlotHolder(engine_id, pid)
+        return free[0]
+
+    def release(self, engine_id: str) -> None:
+        for h in self.holders:
+            if h is not None and h.engine_id == engine_id:
+                h.pid = 0
+
+    def as_list(self) -> list[dict | None]:
+        return [None if h is None else {"engine_id": h.engine_id, "pid": h.pid} for h in self.holders]
+
+
 def node_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -132,20 +189,49 @@ class KVPoolActor:
         s = KVPoolSettings.from_dict(settings)
         self.node_id = node_id
         self.running_on = ray.get_runtime_context().get_node_id()
-        self.pool = PoolAccounting(s.node_bytes(), s.engine_ttl_s, engines_per_node=s.engines_per_node)
+        total = s.node_bytes()
+        self.file = self.slots = None
+        if s.offload and s.shared_memory:
+            self.slot_bytes = host_shm.slot_bytes(total, s.engines_per_node)
+            total = self.slot_bytes * s.engines_per_node
+            self.file = host_shm.PoolFile(s.shm_dir, f"{node_id[:12]}-{os.getpid()}", total)
+            self.slots = SlotTable(s.engines_per_node, self._held)
+        self.pool = PoolAccounting(total, s.engine_ttl_s, engines_per_node=s.engines_per_node)
+
+    def _held(self, slot: int, h: SlotHolder) -> bool:
+        if host_shm.pid_alive(h.pid):
+            return True
+        lo, hi = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
+        ranges = host_shm.mapped_ranges(self.file.inode)
+        return any(start < hi and end > lo for rs in ranges.values() for start, end in rs)
+
+    def acquire_slot(self, engine_id: str, pid: int) -> dict:
+        """The engine's slot of the node's pool memory, to map before it starts."""
+        if self.file is None:
+            raise ValueError("this node's KV pool has no shared memory (kv_pool.offload or shared_memory is off)")
+        slot = self.slots.acquire(engine_id, pid)
+        self.pool.register(engine_id)
+        return self.file.region(slot, self.slot_bytes).to_dict()
 
     def register_engine(self, engine_id: str) -> int:
         return self.pool.register(engine_id)
 
     def unregister_engine(self, engine_id: str) -> None:
         self.pool.unregister(engine_id)
+        if self.slots is not None:
+            self.slots.release(engine_id)
 
     @ray.method(enable_task_events=False)  # periodic: no GCS task record each time
     def report(self, engine_id: str, counters: dict) -> int:
         return self.pool.report(engine_id, counters)
 
     def stats(self) -> dict:
-        return {"node_id": self.node_id, "running_on": self.running_on, **self.pool.stats()}
+        out = {"node_id": self.node_id, "running_on": self.running_on, **self.pool.stats()}
+        if self.file is not None:
+            out["shared_memory"] = {"bytes": self.file.nbytes, "slot_bytes": self.slot_bytes,
+                                    "inode": self.file.inode, "pid": os.getpid(),
+                                    "slots": self.slots.as_list(), "slots_reused": self.slots.reused}
+        return out
 
 
 def pool_name(node_id: str) -> str:

@@ -17,6 +17,8 @@ sampled by the agent).
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from typing import Any, AsyncGenerator, Optional
 
@@ -93,7 +95,8 @@ class TokenFlowLLMServer(LLMServer):
         self._metrics = _engine_metrics(llm_config)
         self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s, sink=self._metrics)
         self._agent = None
-        _enable_offload(llm_config, self._kv_settings)
+        if _offload_wanted(llm_config, self._kv_settings):
+            _enable_offload(llm_config, self._kv_settings, await _host_pool_slot(self._kv_settings))
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
@@ -133,15 +136,42 @@ class TokenFlowLLMServer(LLMServer):
         await super().__del__()
 
 
-def _enable_offload(llm_config, kv: KVPoolSettings) -> None:
-    """Give the engine its host KV tier: its fixed share of the node's pool."""
-    if not (kv.enabled and kv.offload) or "kv_transfer_config" in llm_config.engine_kwargs:
-        return  # off, or the user configured a connector of their own
+def _offload_wanted(llm_config, kv: KVPoolSettings) -> bool:
+    # Not when off, or when the user configured a connector of their own.
+    return kv.enabled and kv.offload and "kv_transfer_config" not in llm_config.engine_kwargs
+
+
+async def _host_pool_slot(kv: KVPoolSettings):
+    """This replica's slot of its node's shared host KV pool (a
+    kv_offload.host_shm.Region), from the node's pool actor; None when the
+    pool is not shared memory or outside a Serve replica (a unit test)."""
+    if not (kv.enabled and kv.offload and kv.shared_memory):
+        return None
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:
+        return None
+    import ray
+
+    from actors.kv_pool import get_node_pool
+    from kv_offload.host_shm import Region
+
+    node_id = ray.get_runtime_context().get_node_id()
+    pool = await asyncio.to_thread(get_node_pool, node_id, kv)
+    ref = pool.acquire_slot.remote(ctx.replica_id.unique_id, os.getpid())
+    return Region(**await asyncio.wait_for(ref, timeout=60))
+
+
+def _enable_offload(llm_config, kv: KVPoolSettings, region=None) -> None:
+    """Give the engine its host KV tier: its slot of the node's shared pool,
+    or (no region) its fixed share allocated by the engine itself."""
+    if not _offload_wanted(llm_config, kv):
+        return
     import kv_offload
 
     # update_engine_kwargs also reaches the engine config Ray may have built.
     llm_config.update_engine_kwargs(kv_transfer_config=kv_offload.kv_transfer_config(
-        host_pool_bytes=kv.engine_bytes(), tokenflow_connector=True))
+        host_pool_bytes=None if region else kv.engine_bytes(), region=region, tokenflow_connector=True))
 
 
 def _engine_metrics(llm_config):

@@ -9,6 +9,8 @@ reused, lookup and load on re-admission); this package supplies the storage:
 - worker.HostPoolWorker / CudaHostPoolWorker: the copies (worker side);
 - connector.TokenFlowOffloadingConnector: exposes the measured speed to the
   TokenFlow scheduler.
+- host_shm: a node's pool as one shared-memory file in engine slots (the
+  node's KV pool actor owns it; each engine maps its slot).
 
 `kv_transfer_config(...)` builds the engine argument.
 """
@@ -19,11 +21,16 @@ from typing import Any
 
 
 def kv_transfer_config(host_pool_bytes: int | None = None, host_pool_blocks: int | None = None,
-                       tokenflow_connector: bool = True, **extra: Any) -> dict:
+                       tokenflow_connector: bool = True, region=None, **extra: Any) -> dict:
     """kv_transfer_config for vLLM: decode blocks stored too, pool sized here.
 
-    tokenflow_connector=False uses the stock OffloadingConnector (same
-    behaviour, but the scheduler cannot read the measured transfer speed)."""
+    region: a host_shm.Region, the engine's slot of its node's shared pool
+    (sizes the pool too). tokenflow_connector=False uses the stock
+    OffloadingConnector (same behaviour, but the scheduler cannot read the
+    measured transfer speed)."""
+    if region is not None:
+        extra[region.EXTRA_KEY] = region.to_dict()
+        host_pool_bytes = region.nbytes if host_pool_bytes is None else host_pool_bytes
     cfg: dict[str, Any] = {
         "spec_name": "TokenFlowOffloadingSpec",
         "spec_module_path": "kv_offload.spec",

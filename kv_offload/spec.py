@@ -6,6 +6,9 @@ blocks_per_chunk):
     host_pool_bytes   host pool size, all workers together
     host_pool_blocks  or the size in blocks (chunks); wins over bytes
     cpu_bytes_to_use  accepted as an alias of host_pool_bytes
+    host_pool_shm     the engine's slot of its node's shared pool (a
+                      host_shm.Region as a dict, handed out by the node's KV
+                      pool actor); absent: the pool is this process's memory
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Mapping
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kv_offload.host_shm import Region
 from kv_offload.manager import HostPoolManager
 from kv_offload.worker import CudaHostPoolWorker, HostPoolWorker
 
@@ -59,6 +63,9 @@ class TokenFlowOffloadingSpec(OffloadingSpec):
         self.bytes_per_row = self.worker_bytes_per_row * world
         # worker_kv_bytes_per_block is 0 on a config with no KV cache (never used then).
         self.num_rows = self.pool.num_blocks(self.bytes_per_row) if config.worker_kv_bytes_per_block else 0
+        # Each worker of the engine maps its own consecutive part of the slot.
+        self.region = Region.from_extra(self.extra_config)
+        self.worker_index = config.parallel.rank % world
         self._manager: HostPoolManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -83,5 +90,6 @@ class TokenFlowOffloadingSpec(OffloadingSpec):
                 cls = self.cuda_worker_cls
             else:
                 raise NotImplementedError(f"kv_offload: no transfer handler for {kind} KV caches")
-            self._worker = cls(kv_caches, self.num_rows, self.blocks_per_chunk)
+            region = self.region and self.region.part(self.worker_index, self.num_rows * self.worker_bytes_per_row)
+            self._worker = cls(kv_caches, self.num_rows, self.blocks_per_chunk, region=region)
         return self._worker

@@ -2,6 +2,9 @@
 
 The pool is one host tensor per engine KV tensor, shaped (rows, row_bytes)
 in int8, where a row holds `blocks_per_chunk` engine blocks of that tensor.
+Under Serve the tensors are views of the engine's slot of its node's shared
+pool (host_shm.py, owned by the node's KV pool actor); standalone they are
+the worker's own memory.
 
 - CPU backend (`HostPoolWorker`): the engine's KV tensors are CPU tensors
   too, so a transfer is a row-by-row copy, done at submit time. That is safe:
@@ -16,6 +19,7 @@ in int8, where a row holds `blocks_per_chunk` engine blocks of that tensor.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -31,18 +35,45 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kv_offload.host_shm import Region, map_region
+
+logger = logging.getLogger(__name__)
+
 
 def make_host_pool(kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int,
-                   pin_memory: bool) -> list[torch.Tensor]:
-    # Written once here, not just allocated: a zeroed allocation maps pages
-    # lazily, so the process would grow by the pool's size as blocks are
-    # first used (seen as a creeping RSS in the soak, docs/RELIABILITY.md),
-    # and a pool that does not fit would fail mid-burst instead of at start.
-    return [
-        torch.empty((num_rows, t.tensor.shape[1] * blocks_per_chunk), dtype=torch.int8,
-                    device="cpu", pin_memory=pin_memory).fill_(0)
-        for t in kv_caches.tensors
-    ]
+                   pin_memory: bool, region: Region | None = None) -> tuple[list[torch.Tensor], bool]:
+    """One (num_rows, row_bytes) int8 tensor per engine KV tensor: carved out
+    of the node pool's shared memory when given a region (its slot), else
+    this process's own memory. Also returns whether the pool is pinned."""
+    shapes = [(num_rows, t.tensor.shape[1] * blocks_per_chunk) for t in kv_caches.tensors]
+    if region is None:
+        # Written once here, not just allocated: a zeroed allocation maps pages
+        # lazily, so the process would grow by the pool's size as blocks are
+        # first used (seen as a creeping RSS in the soak, docs/RELIABILITY.md),
+        # and a pool that does not fit would fail mid-burst instead of at start.
+        return [torch.empty(shape, dtype=torch.int8, device="cpu", pin_memory=pin_memory).fill_(0)
+                for shape in shapes], pin_memory
+    flat = map_region(region)
+    need = sum(r * c for r, c in shapes)
+    if need > flat.numel():
+        raise ValueError(f"kv_offload: the host pool needs {need} bytes, its slot has {flat.numel()}")
+    out, at = [], 0
+    for rows, cols in shapes:
+        out.append(flat[at:at + rows * cols].view(rows, cols))
+        at += rows * cols
+    return out, pin_memory and pin_mapped(flat)
+
+
+def pin_mapped(flat: torch.Tensor) -> bool:
+    """Page-lock shared memory mapped here, for async DMA (CUDA only); on
+    failure the pool stays pageable (slower copies, same results).
+    Not exercised on the CPU-only CI machine."""
+    err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    if int(err) != 0:
+        logger.warning("kv_offload: cudaHostRegister of the shared host pool failed (%s); "
+                       "transfers use pageable memory", err)
+        return False
+    return True
 
 
 def host_block_rows(rows: np.ndarray, blocks_per_chunk: int, skip: int, count: int) -> np.ndarray:
@@ -65,10 +96,11 @@ class _Copy:
 class HostPoolWorker(OffloadingWorker):
     """Host pool for the CPU backend: synchronous row copies."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int,
+                 region: Region | None = None):
         self.blocks_per_chunk = blocks_per_chunk
         self.device = [t.tensor for t in kv_caches.tensors]  # (num_blocks, block_bytes) int8 views
-        self.host = make_host_pool(kv_caches, num_rows, blocks_per_chunk, pin_memory=False)
+        self.host, _ = make_host_pool(kv_caches, num_rows, blocks_per_chunk, pin_memory=False, region=region)
         # The same bytes, one engine block per row, to index like the device side.
         self.host_blocks = [h.view(-1, d.shape[1]) for h, d in zip(self.host, self.device)]
         # Tensors each KV cache group lives in (layers sharing bytes copy once).
@@ -136,14 +168,15 @@ class CudaHostPoolWorker(OffloadingWorker):
 
     Not exercised on the CPU-only CI machine."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, num_rows: int, blocks_per_chunk: int,
+                 region: Region | None = None):
         from vllm.utils.torch_utils import PIN_MEMORY
         from vllm.v1.kv_offload.cpu.gpu_worker import SingleDirectionOffloadingHandler
 
         device = [t.tensor for t in kv_caches.tensors]
-        self.host = make_host_pool(kv_caches, num_rows, blocks_per_chunk, pin_memory=PIN_MEMORY)
+        self.host, pinned = make_host_pool(kv_caches, num_rows, blocks_per_chunk, PIN_MEMORY, region)
         common = dict(gpu_tensors=device, cpu_tensors=self.host, blocks_per_chunk=blocks_per_chunk,
-                      layer_refs_per_group=kv_caches.group_data_refs, host_memory_is_pinned=PIN_MEMORY)
+                      layer_refs_per_group=kv_caches.group_data_refs, host_memory_is_pinned=pinned)
         self._store = SingleDirectionOffloadingHandler(gpu_to_cpu=True, **common)
         self._load = SingleDirectionOffloadingHandler(gpu_to_cpu=False, **common)
 

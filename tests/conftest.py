@@ -7,6 +7,7 @@ every HTTP-level test shares this one app (started the way users start it,
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def serve_app():
         yield {"base_url": base, "model": settings["model"], "log": None}
         return
     base = f"http://{settings['host']}:{settings['port']}"
+    with socket.socket() as sock:
+        if sock.connect_ex((settings["host"], settings["port"])) == 0:
+            # `serve run` would deploy into that app's Ray cluster, and the
+            # tests would run against whatever code it was started with.
+            pytest.fail(f"something already listens at {base}: stop it, "
+                        "or set TOKENFLOW_TEST_REUSE_APP=1 to test an app started with `make serve`")
     log_path = Path(tempfile.gettempdir()) / f"tokenflow-serve-{os.getpid()}.log"
     with open(log_path, "wb") as log:
         proc = launcher.start(LOCAL_CONFIG, log=log)

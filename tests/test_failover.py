@@ -184,6 +184,8 @@ def test_replica_killed_during_a_burst(serve_app):
     assert victim is not None, (f"no engine held streams and whole requests at once "
                                 f"({polls} polls, slowest {slowest:.2f} s): {seen}")
     assert victim["pid"] > 0
+    (pool_before,) = _engines(base)["kv_pools"].values()
+    slot_of = {h["engine_id"]: i for i, h in enumerate(pool_before["shared_memory"]["slots"]) if h}
     os.kill(victim["pid"], signal.SIGKILL)
 
     stream_recs = [f.result(timeout=600) for f in streams]
@@ -222,3 +224,10 @@ def test_replica_killed_during_a_burst(serve_app):
         time.sleep(0.5)  # one push interval and then some
         used = {e["engine_id"]: e for e in _engines(base)["engines"]}[newcomer["engine_id"]]["received_total"]
     assert used > 0, "the router never used the restarted engine"
+    # It took over the victim's slot of the node's host KV pool: the same
+    # memory, nothing allocated again.
+    (pool_after,) = _engines(base)["kv_pools"].values()
+    shm = pool_after["shared_memory"]
+    holders = {h["engine_id"]: i for i, h in enumerate(shm["slots"]) if h}
+    assert holders.get(newcomer["engine_id"]) == slot_of[victim["engine_id"]], shm
+    assert shm["slots_reused"] >= 1 and shm["bytes"] == pool_before["shared_memory"]["bytes"]

@@ -277,6 +277,33 @@ def test_released_requests_reload_from_host(baseline, tokenflow_connector):
 
 
 @pytest.mark.slow
+def test_the_host_pool_can_be_a_slot_of_the_nodes_shared_memory(baseline):
+    """What a Serve replica gets from its node's KV pool actor: a slot of the
+    node's one shared-memory file. Write-through lands in that slot and
+    nowhere else in the file, and resumes reload from it."""
+    import mmap
+    import os
+
+    import numpy as np
+
+    from kv_offload.host_shm import PoolFile
+
+    slot = 64 << 20
+    f = PoolFile("/dev/shm", f"engine-test-{os.getpid()}", 2 * slot)
+    try:
+        run = run_burst(kv_offload.kv_transfer_config(region=f.region(1, slot)))
+        node = np.frombuffer(mmap.mmap(f.fd, f.nbytes), dtype=np.uint8)
+        assert not node[:slot].any(), "the engine wrote outside its slot"
+        assert node[slot:].any(), "the engine's KV is not in the node's pool"
+        assert run.counters.blocks_loaded > 0 and run.stats.pauses_release > 0
+        assert max(run.resumes.recomputed) < BLOCK
+        assert run.tokens == baseline
+        assert run.pinned_after == 0
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
 def test_a_tight_store_budget_defers_stores_and_outputs_stay_equal(baseline):
     # 0.05% of the measured store speed (the tiny model copies ~1.7M tokens/s,
     # far more than a burst writes): most write-through waits for later

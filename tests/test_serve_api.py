@@ -122,13 +122,25 @@ def test_engines_share_the_node_host_pool(client, serve_app):
     host tier is half, and together they stay within the node's pool."""
     import yaml
 
+    from kv_offload.host_shm import mapped_ranges
     from tests.conftest import LOCAL_CONFIG
 
     args = yaml.safe_load(open(LOCAL_CONFIG))["applications"][0]["args"]
     node_pool = args["kv_pool"]["size_bytes"]
     kv_bytes = args["engine_kwargs"]["kv_cache_memory_bytes"]
-    engines = httpx.get(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30).json()["engines"]
+    view = httpx.get(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30).json()
+    engines = view["engines"]
     assert len(engines) == 2
+    # The node's pool actor owns the memory: one shared file of two slots,
+    # one per engine, each mapped by that engine's worker process only.
+    (pool,) = view["kv_pools"].values()
+    shm = pool["shared_memory"]
+    assert shm["bytes"] == 2 * shm["slot_bytes"] <= node_pool
+    assert sorted(h["engine_id"] for h in shm["slots"]) == sorted(e["engine_id"] for e in engines)
+    mapped = mapped_ranges(shm["inode"])
+    slots_mapped = sorted((lo // shm["slot_bytes"], pid) for pid, rs in mapped.items() for lo, _ in rs)
+    assert [s for s, _ in slots_mapped] == [0, 1], mapped
+    assert slots_mapped[0][1] != slots_mapped[1][1], "two engines, two processes"
     tiers = []
     for e in engines:
         sched = e["scheduler"]

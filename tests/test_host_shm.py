@@ -1,0 +1,91 @@
+"""The node's shared host KV pool (kv_offload/host_shm.py) and its slot table
+(actors/kv_pool.py SlotTable), with real processes: the pool's owner, and
+engines that map their slot in other processes."""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+
+import pytest
+
+from actors.kv_pool import PoolFull, SlotHolder, SlotTable
+from kv_offload import host_shm
+
+SLOT = 4 * host_shm.PAGE
+
+
+def _engine(region: dict, fill: int, ready, go) -> None:
+    """What an engine's worker does: map its slot, write its KV rows."""
+    t = host_shm.map_region(host_shm.Region(**region))
+    t.fill_(fill)
+    ready.set()
+    go.wait(30)  # keep the mapping until the test has looked
+
+
+@pytest.fixture
+def pool_file():
+    f = host_shm.PoolFile("/dev/shm", f"test-{os.getpid()}", 2 * SLOT)
+    yield f
+    f.close()
+
+
+def _spawn(f, slot: int, fill: int):
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_engine, args=(f.region(slot, SLOT).to_dict(), fill, ready, go))
+    p.start()
+    assert ready.wait(180), "the engine process never mapped its slot"
+    return p, go
+
+
+def test_engines_write_their_own_slot_of_one_unlinked_file(pool_file):
+    f = pool_file
+    # Unlinked at once: nothing is left in /dev/shm, whatever happens later.
+    assert not any(n.startswith(host_shm.PREFIX + f"test-{os.getpid()}") for n in os.listdir("/dev/shm"))
+    a, go_a = _spawn(f, 0, 7)
+    b, go_b = _spawn(f, 1, 9)
+    try:
+        view = mmap.mmap(f.fd, f.nbytes)
+        assert view[:SLOT] == bytes([7]) * SLOT and view[SLOT:] == bytes([9]) * SLOT
+        # The owner sees who maps which bytes (how it tells a slot is held).
+        ranges = host_shm.mapped_ranges(f.inode)
+        assert ranges[a.pid] == [(0, SLOT)] and ranges[b.pid] == [(SLOT, 2 * SLOT)]
+        assert host_shm.pid_alive(a.pid)
+    finally:
+        go_a.set(), go_b.set()
+        a.join(30), b.join(30)
+    assert not host_shm.pid_alive(a.pid)
+    assert a.pid not in host_shm.mapped_ranges(f.inode)
+
+
+def test_a_pool_larger_than_the_tmpfs_fails_at_start_with_a_clear_error():
+    free = os.statvfs("/dev/shm")
+    too_big = free.f_bavail * free.f_frsize + (1 << 30)
+    with pytest.raises(OSError, match="cannot commit .* host KV pool .* kv_pool.size_bytes"):
+        host_shm.PoolFile("/dev/shm", f"too-big-{os.getpid()}", too_big)
+    assert not any(n.startswith(host_shm.PREFIX + "too-big") for n in os.listdir("/dev/shm"))
+
+
+def test_region_parts_are_per_worker_and_checked():
+    r = host_shm.Region("/x", 8192, 4096, 1, 5)
+    assert r.part(1, 2048) == host_shm.Region("/x", 10240, 2048, 1, 5)
+    with pytest.raises(ValueError, match="slot has 4096"):
+        r.part(2, 2048)
+
+
+def test_slot_table_reuses_only_slots_whose_holder_is_gone():
+    in_use = {0: True, 1: True}
+    t = SlotTable(2, held=lambda slot, h: in_use[slot])
+    assert t.acquire("e1", 11) == 0 and t.acquire("e2", 12) == 1
+    assert t.acquire("e1", 13) == 0  # the same engine asking again keeps its slot
+    with pytest.raises(PoolFull, match=r"all 2 host KV slots .*\(e1, e2\).*engines_per_node"):
+        t.acquire("e3", 14)
+    in_use[1] = False  # e2's process died and nothing maps its slot any more
+    assert t.acquire("e3", 14) == 1 and t.reused == 1
+    in_use[1] = True
+    t.release("e1")  # a goodbye keeps the slot held while something maps it
+    assert t.holders[0] == SlotHolder("e1", 0)
+    with pytest.raises(PoolFull):
+        t.acquire("e4", 15)
