@@ -18,6 +18,7 @@ sampled by the agent).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Any, AsyncGenerator, Optional
@@ -35,6 +36,7 @@ from actors.ranking import RouterSettings
 from tokenflow.config import TokenFlowConfig, parse_rate
 
 RATE_KEY = "consumption_rate"
+logger = logging.getLogger("ray.serve")
 
 
 def tokenflow_config_of(llm_config) -> TokenFlowConfig:
@@ -96,7 +98,14 @@ class TokenFlowLLMServer(LLMServer):
         self._tracker = EngineTracker(horizon_s=self._router_settings.horizon_s, sink=self._metrics)
         self._agent = None
         if _offload_wanted(llm_config, self._kv_settings):
-            _enable_offload(llm_config, self._kv_settings, await _host_pool_slot(self._kv_settings))
+            try:
+                _enable_offload(llm_config, self._kv_settings, await _host_pool_slot(self._kv_settings))
+            except NoHostSlot as e:
+                # E.g. a /dev/shm too small for the pool, or every slot held
+                # by a live engine: serve, without a host tier (pauses then
+                # recompute), rather than fail to start or exceed the pool.
+                logger.warning("TokenFlow: %s; this engine runs without a host KV tier "
+                               "(kv_pool.shared_memory: false gives each engine its own share)", e)
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
@@ -157,9 +166,16 @@ async def _host_pool_slot(kv: KVPoolSettings):
     from kv_offload.host_shm import Region
 
     node_id = ray.get_runtime_context().get_node_id()
-    pool = await asyncio.to_thread(get_node_pool, node_id, kv)
-    ref = pool.acquire_slot.remote(ctx.replica_id.unique_id, os.getpid())
-    return Region(**await asyncio.wait_for(ref, timeout=60))
+    try:
+        pool = await asyncio.to_thread(get_node_pool, node_id, kv)
+        ref = pool.acquire_slot.remote(ctx.replica_id.unique_id, os.getpid())
+        return Region(**await asyncio.wait_for(ref, timeout=60))
+    except Exception as e:
+        raise NoHostSlot(f"no slot of node {node_id}'s shared host KV pool: {e}") from e
+
+
+class NoHostSlot(RuntimeError):
+    pass
 
 
 def _enable_offload(llm_config, kv: KVPoolSettings, region=None) -> None:
