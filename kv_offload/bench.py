@@ -1,6 +1,6 @@
 """Pause-and-resume cost on this machine: reload from the host pool vs recompute.
 
-    python -m kv_offload.bench [--contexts 512 2048 8192] [--repeats 5]
+    python -m kv_offload.bench [--contexts 512 2048 8192] [--repeats 5] [--shared-memory]
 
 One in-process engine on the tiny model (a copy of its directory with 16k
 positions, so 8192-token contexts fit), GPU-side prefix caching off so a
@@ -51,7 +51,7 @@ def long_context_model(src: Path, positions: int) -> Path:
     return out
 
 
-def make_engine(model: Path, max_len: int, pool_bytes: int):
+def make_engine(model: Path, max_len: int, pool_bytes: int, region=None):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read the pool in-process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
@@ -62,7 +62,7 @@ def make_engine(model: Path, max_len: int, pool_bytes: int):
     return LLM(model=str(model), enforce_eager=True, seed=0, dtype="float32", block_size=BLOCK,
                max_model_len=max_len, max_num_batched_tokens=max_len, max_num_seqs=4,
                kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
-               kv_transfer_config=kv_offload.kv_transfer_config(host_pool_bytes=pool_bytes))
+               kv_transfer_config=kv_offload.kv_transfer_config(host_pool_bytes=pool_bytes, region=region))
 
 
 def timed_generate(llm, token_ids: list[int]) -> float:
@@ -111,13 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-llama")
+    ap.add_argument("--shared-memory", action="store_true",
+                    help="the pool as a slot of a node pool file in /dev/shm, as under Serve")
     args = ap.parse_args(argv)
 
     max_len = max(args.contexts) + 2 * BLOCK
     model = long_context_model(args.model, positions=max(4096, 2 * max_len))
     try:
         pool_bytes = 2 * args.repeats * sum(args.contexts) * 2048 + (8 << 20)  # never evicts
-        llm = make_engine(model, max_len, pool_bytes)
+        region = None
+        if args.shared_memory:
+            from kv_offload.host_shm import PAGE, PoolFile
+
+            pool_bytes = -(-pool_bytes // PAGE) * PAGE
+            node_pool = PoolFile("/dev/shm", f"bench-{os.getpid()}", pool_bytes)
+            region = node_pool.region(0, pool_bytes)
+        llm = make_engine(model, max_len, pool_bytes, region)
         pool = host_pool_of(llm.llm_engine.engine_core.engine_core.scheduler.connector)
         rng = np.random.default_rng(0)
         timed_generate(llm, rng.integers(4, 1500, 64).tolist())  # warm-up

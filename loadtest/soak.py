@@ -7,7 +7,16 @@ chat), greedy with `ignore_eos` so its length is known. Its outcome is
   error   an explicit error: 4xx/5xx with a JSON body, or an SSE error event
   lost    anything else: a cut connection, a timeout, a short answer
 The resident memory of every local Ray and vLLM process is read after the
-warm-up bursts and after every later one; growth is relative to warm-up.
+warm-up and after every later burst; growth is relative to warm-up.
+
+The warm-up first sweeps step sizes: one-token requests with prompts of 1 to
+`warmup_shapes` words, twice over, eight at a time (so every engine gets
+its share). vLLM's CPU engine caches compiled
+matmul kernels per step size (oneDNN primitives, a bounded LRU per layer),
+so its worker grows with every new step size until those caches are full,
+then stays flat (measured: +330 MiB over the first 300 sizes, nothing over
+the next 500, docs/RELIABILITY.md). Bursts alone reach new sizes slowly,
+which looked like a creep. The sweep's requests are counted apart.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class SoakSettings:
     requests: int = 2000
     burst: int = 48  # at once; keep under admission.max_ongoing_requests to expect no 429
     warmup_requests: int = 200  # memory is measured from here on
+    warmup_shapes: int = 400  # step sizes swept first (see the module docstring); 0: none
     max_tokens: tuple[int, int] = (8, 48)
     timeout_s: float = 300.0
     seed: int = 0
@@ -46,6 +56,7 @@ class SoakReport:
     tokens: int = 0
     # label -> MiB after each burst from warm-up on; the first is the baseline
     rss_trace: dict = field(default_factory=dict)
+    warmup_outcomes: dict = field(default_factory=lambda: {"ok": 0, "error": 0, "lost": 0})
 
     @property
     def rss_mib_after_warmup(self) -> dict:
@@ -165,6 +176,7 @@ async def soak(s: SoakSettings, on_burst=None) -> SoakReport:
     limits = httpx.Limits(max_connections=s.burst, max_keepalive_connections=s.burst)
     start = time.monotonic()
     async with httpx.AsyncClient(base_url=s.url, timeout=s.timeout_s, limits=limits) as client:
+        await sweep_shapes(client, s, rng, rep)
         sent = 0
         while sent < s.requests:
             n = min(s.burst, s.requests - sent)
@@ -188,6 +200,30 @@ async def soak(s: SoakSettings, on_burst=None) -> SoakReport:
     return rep
 
 
+WORDS = ("river", "mountain", "reader", "stream", "buffer", "token", "cloud", "forest", "light", "stone",
+         "window", "garden", "engine", "harbor", "violet", "winter")
+
+
+SWEEP_AT_ONCE = 8
+
+
+async def sweep_shapes(client: httpx.AsyncClient, s: SoakSettings, rng: random.Random, rep: SoakReport) -> None:
+    """Prompts of 1..warmup_shapes words (random words: no shared prefix for
+    the prefix cache to shorten), one token each, twice over in random
+    order, SWEEP_AT_ONCE at a time: the router spreads them over the engines,
+    and each step's size is a new mix."""
+    sizes = list(range(1, s.warmup_shapes + 1)) * 2
+    rng.shuffle(sizes)
+    for i in range(0, len(sizes), SWEEP_AT_ONCE):
+        jobs = []
+        for n in sizes[i:i + SWEEP_AT_ONCE]:
+            body = {"model": s.model, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+                    "prompt": " ".join(rng.choice(WORDS) for _ in range(n))}
+            jobs.append(one(client, "completion", body))
+        for outcome, _, _ in await asyncio.gather(*jobs):
+            rep.warmup_outcomes[outcome] += 1
+
+
 def _sample_memory(rep: SoakReport, s: SoakSettings, sent: int, pids: dict[str, int]) -> None:
     if sent < s.warmup_requests:
         return
@@ -204,16 +240,18 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--burst", type=int, default=d.burst)
     p.add_argument("--warmup-requests", type=int, default=d.warmup_requests)
+    p.add_argument("--warmup-shapes", type=int, default=d.warmup_shapes)
     p.add_argument("--rss-tolerance", type=float, default=d.rss_tolerance)
     p.add_argument("--out", default=None, help="write the report here as JSON")
 
 
 def run(args) -> int:
-    if args.requests < 1 or args.burst < 1 or args.warmup_requests < 0:
-        print("tokenflow soak: --requests and --burst must be >= 1, --warmup-requests >= 0")
+    if args.requests < 1 or args.burst < 1 or args.warmup_requests < 0 or args.warmup_shapes < 0:
+        print("tokenflow soak: --requests and --burst must be >= 1, --warmup-requests and --warmup-shapes >= 0")
         return 2
     s = SoakSettings(url=args.url.rstrip("/"), model=args.model, requests=args.requests, burst=args.burst,
-                     warmup_requests=args.warmup_requests, rss_tolerance=args.rss_tolerance)
+                     warmup_requests=args.warmup_requests, warmup_shapes=args.warmup_shapes,
+                     rss_tolerance=args.rss_tolerance)
 
     def progress(sent: int, rep: SoakReport) -> None:
         print(f"{sent}/{s.requests} sent: {rep.outcomes}", flush=True)

@@ -228,6 +228,10 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
   the replica and the router sends the new one work as soon as Serve lists it
   (a restarted engine is assumed as fast as its fastest twin until it shows
   its own speed, so it is not starved by a busy twin's proven capacity).
+- The restarted engine takes over the dead one's slot of the node's shared
+  host KV pool (actors/kv_pool.py): the node allocates no second copy. A
+  slot is handed on only once its holder's pid is gone and no process maps
+  its bytes any more.
 - Counts: `replicas_lost` in `GET /v1/tokenflow/engines` (`resent`,
   `ended_mid_stream`, `gave_up`).
 
@@ -235,7 +239,8 @@ Test (tests/test_failover.py, live app): 16 streams and 16 whole requests
 of 2,000 tokens; SIGKILL the replica process holding both kinds; every whole
 request answers 200 with all 2,000 tokens and the same greedy text as a fresh
 run; the victim's streams end with the error event and `[DONE]`, the
-survivor's finish in full; the restarted replica receives requests again.
+survivor's finish in full; the restarted replica receives requests again
+and holds the victim's slot of the node's pool.
 The re-send logic is also tested on scripted streams (role chunk not
 repeated, bounded re-sends then 503, other errors not swallowed).
 

@@ -66,6 +66,7 @@ def test_soak_2000_requests_none_lost_memory_flat(serve_app):
                                                         "worst_rss_growth")}),
           "\nRSS MiB after warm-up:", json.dumps(report["rss_mib_after_warmup"]),
           "\nRSS MiB at end:", json.dumps(report["rss_mib_end"]))
+    assert rep.warmup_outcomes == {"ok": 800, "error": 0, "lost": 0}  # the step-size sweep
     assert sum(rep.outcomes.values()) == 2000
     assert rep.outcomes["lost"] == 0, rep.lost
     assert rep.outcomes["error"] == 0, rep.errors  # bursts stay under the admission bound
