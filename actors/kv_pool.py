@@ -201,7 +201,8 @@ class KVPoolActor:
     def _held(self, slot: int, h: SlotHolder) -> bool:
         if host_shm.pid_alive(h.pid):
             return True
-        lo, hi = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
+        r = self.file.region(slot, self.slot_bytes)
+        lo, hi = r.offset, r.offset + r.nbytes
         ranges = host_shm.mapped_ranges(self.file.inode)
         return any(start < hi and end > lo for rs in ranges.values() for start, end in rs)
 

@@ -154,7 +154,7 @@ async def _host_pool_slot(kv: KVPoolSettings):
     """This replica's slot of its node's shared host KV pool (a
     kv_offload.host_shm.Region), from the node's pool actor; None when the
     pool is not shared memory or outside a Serve replica (a unit test)."""
-    if not (kv.enabled and kv.offload and kv.shared_memory):
+    if not kv.shared_memory:
         return None
     try:
         ctx = serve.get_replica_context()
@@ -179,10 +179,9 @@ class NoHostSlot(RuntimeError):
 
 
 def _enable_offload(llm_config, kv: KVPoolSettings, region=None) -> None:
-    """Give the engine its host KV tier: its slot of the node's shared pool,
-    or (no region) its fixed share allocated by the engine itself."""
-    if not _offload_wanted(llm_config, kv):
-        return
+    """Give the engine its host KV tier (when `_offload_wanted`): its slot of
+    the node's shared pool, or (no region) its fixed share allocated by the
+    engine itself."""
     import kv_offload
 
     # update_engine_kwargs also reaches the engine config Ray may have built.

@@ -121,9 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         pool_bytes = 2 * args.repeats * sum(args.contexts) * 2048 + (8 << 20)  # never evicts
         region = None
         if args.shared_memory:
-            from kv_offload.host_shm import PAGE, PoolFile
+            from kv_offload.host_shm import PoolFile
 
-            pool_bytes = -(-pool_bytes // PAGE) * PAGE
             node_pool = PoolFile("/dev/shm", f"bench-{os.getpid()}", pool_bytes)
             region = node_pool.region(0, pool_bytes)
         llm = make_engine(model, max_len, pool_bytes, region)

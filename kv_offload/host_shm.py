@@ -92,18 +92,19 @@ class PoolFile:
 
 def map_region(region: Region):
     """The region as a flat int8 tensor, every page faulted in now (so the
-    engine's resident memory does not creep up as rows are first used)."""
+    engine's resident memory does not creep up as rows are first used).
+    Slots start on a page; a worker's part of one may not (mmap needs a page
+    offset), so the mapping starts at the page before it."""
     import torch
 
-    if region.offset % PAGE:
-        raise ValueError(f"kv_offload: pool region offset {region.offset} is not page-aligned")
+    skip = region.offset % PAGE
     fd = os.open(region.path, os.O_RDWR)
     try:
-        mm = mmap.mmap(fd, region.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       offset=region.offset)
+        mm = mmap.mmap(fd, skip + region.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       offset=region.offset - skip)
     finally:
         os.close(fd)  # the mapping keeps the file alive
-    return torch.frombuffer(mm, dtype=torch.int8)  # keeps mm alive
+    return torch.frombuffer(mm, dtype=torch.int8)[skip:]  # keeps mm alive
 
 
 def mapped_ranges(inode: int, proc: str = "/proc") -> dict[int, list[tuple[int, int]]]:

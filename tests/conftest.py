@@ -23,13 +23,12 @@ LOCAL_CONFIG = str(ROOT / "deployments" / "configs" / "local.yaml")
 def serve_app():
     ensure_model()
     settings = launcher.app_settings(LOCAL_CONFIG)
+    base = f"http://{settings['host']}:{settings['port']}"
     if os.environ.get("TOKENFLOW_TEST_REUSE_APP"):
         # Developer loop: test an app already started with `make serve`
         # (same config) instead of starting one per session.
-        base = f"http://{settings['host']}:{settings['port']}"
         yield {"base_url": base, "model": settings["model"], "log": None}
         return
-    base = f"http://{settings['host']}:{settings['port']}"
     with socket.socket() as sock:
         if sock.connect_ex((settings["host"], settings["port"])) == 0:
             # `serve run` would deploy into that app's Ray cluster, and the

@@ -60,6 +60,18 @@ def test_engines_write_their_own_slot_of_one_unlinked_file(pool_file):
     assert a.pid not in host_shm.mapped_ranges(f.inode)
 
 
+def test_a_workers_part_of_a_slot_maps_at_any_offset(pool_file):
+    """A tensor-parallel engine's workers split its slot; a part need not
+    start on a page (mmap's unit)."""
+    part = pool_file.region(1, SLOT).part(1, SLOT // 2 - 100)
+    assert part.offset % host_shm.PAGE
+    t = host_shm.map_region(part)
+    t.fill_(5)
+    view = mmap.mmap(pool_file.fd, pool_file.nbytes)
+    assert view[part.offset - 1] == 0 and view[part.offset:part.offset + part.nbytes] == bytes([5]) * part.nbytes
+    assert view[part.offset + part.nbytes] == 0
+
+
 def test_a_pool_larger_than_the_tmpfs_fails_at_start_with_a_clear_error():
     free = os.statvfs("/dev/shm")
     too_big = free.f_bavail * free.f_frsize + (1 << 30)
