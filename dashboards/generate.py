@@ -131,6 +131,7 @@ def scheduler() -> dict:
         panel("Pauses and resumes", [
             target(rate(X("tokenflow_pauses"), M, "kind"), "pause ({{kind}})"),
             target(rate(X("tokenflow_resumes"), M), "resume"),
+            target(rate(X("tokenflow_pauses_skipped"), M), "pause skipped"),
             target(rate(X("tokenflow_fallbacks"), M), "FCFS fallback")], "ops"),
         panel("Buffer occupancy of running streams (P10, P50, P90)", [
             target(quantile(q, "tokenflow_buffer_seconds", M), f"P{round(q * 100)}") for q in (0.1, 0.5, 0.9)],

@@ -99,7 +99,7 @@ ACCELERATOR_DEFAULTS = {
         # Used only when args give no engine_kwargs at all. Without an explicit
         # KV size vLLM's CPU backend reserves gpu_memory_utilization (0.92) of
         # the NUMA node's RAM and refuses to start when that much is not free.
-        "engine_kwargs": {"enforce_eager": True, "max_model_len": 2048,
+        "engine_kwargs": {"enforce_eager": True, "max_model_len": 2048, "dtype": "float32",
                           "kv_cache_memory_bytes": 64 * 2**20},
     },
     # GPU: Ray Serve LLM's own defaults ({GPU: 1} per TP x PP worker, 1 CPU

@@ -28,6 +28,8 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["results"]) == {"fcfs", "andes", "tokenflow"}
     assert "engine-side" in summary["workload"]["timing"]
+    # No GPU here: every scheduler ran synchronously, and the summary says so.
+    assert summary["workload"]["engine"]["scheduling"] == "sync"
     for name, res in summary["results"].items():
         assert KEYS <= set(res), name
         assert res["completed"] == 12 and res["failed"] == 0, name
@@ -45,3 +47,21 @@ def test_bench_rejects_bad_arguments():
         r = subprocess.run([sys.executable, "-m", "tokenflow.cli", "bench", *args], capture_output=True, text=True)
         assert r.returncode == 2, (args, r.stderr)
         assert "error" in r.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """scripts/gpu_check.sh's code path, on CPU with the tiny model: the
+    engine burst pauses and every output equals stock vLLM's."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenflow.cli", "gpu-check", "--tiny", "--skip-bench", "--out", str(tmp_path),
+         "--model-dir", ensure_model(), "--requests", "24", "--prompt-tokens", "16", "--output-tokens", "96",
+         "--max-num-seqs", "16", "--max-model-len", "512", "--kv-bytes", str(2 << 20),
+         "--offload-bytes", str(16 << 20), "--dt", "0.02"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and summary["checks"]["outputs_equal_stock"]
+    assert summary["tokenflow"]["pauses_hold"] + summary["tokenflow"]["pauses_release"] > 0
+    assert summary["tokenflow"]["async_scheduling"] is False

@@ -309,7 +309,7 @@ def _app_args(model_path: str) -> dict:
         "placement_group_config": {"bundles": [{"CPU": 1}]},
         "deployment_config": {"ray_actor_options": {"resources": {"tf_engine_slot": 1}}},
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
-        "engine_kwargs": {"enforce_eager": True, "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024,
+        "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024,
                           "max_num_seqs": 16, "scheduler_cls": "tokenflow.scheduler.TokenFlowScheduler"},
         "tokenflow": {"policy": "tokenflow", "dt": 0.5, "default_rate": 40.0},
         "router": {"stale_after_s": 1.0},  # as local.yaml: 2 busy cores delay pushes

@@ -119,7 +119,7 @@ def _fake_engine_metrics():
 def test_scheduler_totals_become_counter_increments_and_gauges():
     em = _fake_engine_metrics()
     state = {"running": 3, "waiting": 1, "paused_hold": 2, "paused_release": 0, "kv_total_blocks": 100,
-             "kv_free_blocks": 40, "stats": {"pauses_hold": 4, "pauses_release": 1, "resumes": 3,
+             "kv_free_blocks": 40, "stats": {"pauses_hold": 4, "pauses_release": 1, "pauses_skipped": 2, "resumes": 3,
                                              "fallbacks": 0, "tokens_recomputed": 16},
              "offload": {"blocks_stored": 10, "blocks_loaded": 2, "bytes_stored": 1000, "bytes_loaded": 200,
                          "evictions": 3, "capacity_blocks": 64}}
@@ -132,6 +132,7 @@ def test_scheduler_totals_become_counter_increments_and_gauges():
     m = em.m
     assert m.of("inc", "tokenflow_pauses", kind="hold") == [4, 2]
     assert m.of("inc", "tokenflow_pauses", kind="release") == [1]
+    assert m.of("inc", "tokenflow_pauses_skipped") == [2]
     assert m.of("inc", "tokenflow_tokens_recomputed") == [16]
     assert m.of("inc", "tokenflow_fallbacks") == []
     assert m.of("inc", "tokenflow_kv_offload_blocks", direction="loaded") == [2, 3]

@@ -21,7 +21,30 @@ from pathlib import Path
 from tokenflow.buffer import ReaderBuffer
 
 SCHEDULERS = ("fcfs", "andes", "tokenflow")
-TF_CLASS = "tokenflow.scheduler.TokenFlowScheduler"
+# TokenFlow's class for each scheduling mode; fcfs is vLLM's own scheduler
+# (AsyncScheduler or Scheduler, as vLLM picks it for the mode).
+TF_CLASS = {"sync": "tokenflow.scheduler.TokenFlowScheduler",
+            "async": "tokenflow.scheduler.TokenFlowAsyncScheduler"}
+SCHEDULING = ("auto", "sync", "async")
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolve_scheduling(mode: str) -> str:
+    """"auto": asynchronous where the platform runs it (CUDA-like GPUs, where
+    vLLM turns it on by default), synchronous elsewhere (vLLM's CPU build
+    forces it off). Every scheduler in one bench runs in the same mode."""
+    if mode not in SCHEDULING:
+        raise ValueError(f"unknown scheduling {mode!r}; choose one of {SCHEDULING}")
+    if mode != "auto":
+        return mode
+    from vllm.platforms import current_platform
+
+    return "async" if current_platform.is_cuda_alike() else "sync"
 
 
 @dataclass
@@ -68,21 +91,29 @@ class EngineSettings:
     # request about 10x faster than an 8B model on a GPU, so the paper's
     # 0.5-1.5 s interval shrinks with it.
     tokenflow: dict = field(default_factory=lambda: {"dt": 0.1})
+    scheduling: str = "auto"  # auto | sync | async: the mode of every scheduler
 
     def engine_kwargs(self, scheduler: str) -> dict:
+        mode = resolve_scheduling(self.scheduling)
         kw = dict(model=self.model, enforce_eager=True, seed=0, max_num_seqs=self.max_num_seqs,
-                  max_model_len=self.max_model_len, disable_log_stats=True)
+                  max_model_len=self.max_model_len, disable_log_stats=True,
+                  async_scheduling=mode == "async")
         if self.kv_cache_memory_bytes:
             kw["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.block_size:
             kw["block_size"] = self.block_size
+        if _on_cpu():
+            # vLLM's CPU build: the tiny model's own float32, not a bf16
+            # downcast (AMX attention kernels die with SIGILL in VMs that
+            # report AMX without enabling it).
+            kw["dtype"] = "float32"
         if self.offload_bytes:
             from kv_offload import kv_transfer_config
 
             kw["kv_transfer_config"] = kv_transfer_config(host_pool_bytes=self.offload_bytes, tokenflow_connector=True)
         kw.update(self.extra)
         if scheduler != "fcfs":
-            kw["scheduler_cls"] = TF_CLASS
+            kw["scheduler_cls"] = TF_CLASS[mode]
             kw["additional_config"] = {"tokenflow": {**self.tokenflow, "policy": scheduler}}
         return kw
 
@@ -105,6 +136,10 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
 
     llm = LLM(**eng.engine_kwargs(scheduler))
     engine = llm.llm_engine
+    want = resolve_scheduling(eng.scheduling)
+    got = "async" if engine.vllm_config.scheduler_config.async_scheduling else "sync"
+    if got != want:  # e.g. async asked for on vLLM's CPU build, which turns it off
+        raise RuntimeError(f"{scheduler}: vLLM runs {got} scheduling on this platform, not {want}")
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
     arrivals, rates, prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
@@ -179,7 +214,7 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
                 f.write(json.dumps(rec) + "\n")
         print(json.dumps({"scheduler": name, **results[name]}), flush=True)
     summary = {
-        "workload": {**asdict(wl), "engine": asdict(eng),
+        "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
                      "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)"},
         "results": results,
     }

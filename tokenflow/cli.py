@@ -41,7 +41,7 @@ def _cmd_bench(args) -> int:
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                          block_size=args.block_size or None, offload_bytes=args.offload_bytes,
                          extra=json.loads(args.engine_args),
-                         tokenflow={"dt": 0.1, **json.loads(args.tokenflow)})
+                         tokenflow={"dt": 0.1, **json.loads(args.tokenflow)}, scheduling=args.scheduling)
     summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots)
     print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
     print(f"wrote {args.out}/summary.json")
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, default=32, help="0: vLLM's default")
     c.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine args")
     c.add_argument("--tokenflow", default="{}", help="JSON of TokenFlowConfig overrides (dt defaults to 0.1 here)")
+    c.add_argument("--scheduling", choices=["auto", "sync", "async"], default="auto",
+                   help="vLLM scheduling mode of every scheduler alike; auto: async on GPU, sync on CPU")
     c.add_argument("--no-plots", action="store_true")
     c.set_defaults(func=_cmd_bench)
     d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
@@ -198,10 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     sk = sub.add_parser("soak", help="requests in bursts against a running app: none lost, memory flat")
     _loadtest("soak").add_arguments(sk)
     sk.set_defaults(func=_cmd_soak)
+    # Listed for --help; main() hands its arguments to tokenflow/gpu_check.py.
+    sub.add_parser("gpu-check", help="check the GPU path on a CUDA machine (scripts/gpu_check.sh); "
+                                     "--tiny: the same on CPU with the tiny model")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-check"]:
+        from tokenflow import gpu_check
+
+        return gpu_check.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "dashboards" and args.action == "push" and not args.url:

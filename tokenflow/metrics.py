@@ -93,6 +93,8 @@ SPECS = (
          tags=ENGINE_TAGS + ("state",)),
     Spec("tokenflow_pauses", "counter", "Pauses by kind: hold (KV kept) or release (KV freed).",
          tags=ENGINE_TAGS + ("kind",)),
+    Spec("tokenflow_pauses_skipped", "counter",
+         "Pauses the policy decided that could not be applied (request finished, not running, or mid-prompt)."),
     Spec("tokenflow_resumes", "counter", "Paused requests put back to run."),
     Spec("tokenflow_fallbacks", "counter", "Policy decisions that fell back to FCFS."),
     Spec("tokenflow_tokens_recomputed", "counter",
@@ -202,7 +204,7 @@ class EngineMetrics:
         self.m = MetricSet(engine_specs(), {"model": model, "engine": engine})
         self.deltas = CumulativeDeltas()
         for name, tags in (("tokenflow_pauses", {"kind": "hold"}), ("tokenflow_pauses", {"kind": "release"}),
-                           ("tokenflow_resumes", {}), ("tokenflow_fallbacks", {}),
+                           ("tokenflow_pauses_skipped", {}), ("tokenflow_resumes", {}), ("tokenflow_fallbacks", {}),
                            ("tokenflow_tokens_recomputed", {}), ("tokenflow_stall_seconds", {}),
                            ("tokenflow_effective_tokens", {}), ("tokenflow_generated_tokens", {}),
                            ("tokenflow_kv_offload_evictions", {}),
@@ -247,7 +249,8 @@ class EngineMetrics:
         d = self.deltas.delta
         self.m.inc("tokenflow_pauses", d("pauses_hold", stats.get("pauses_hold")), kind="hold")
         self.m.inc("tokenflow_pauses", d("pauses_release", stats.get("pauses_release")), kind="release")
-        for key, name in (("resumes", "tokenflow_resumes"), ("fallbacks", "tokenflow_fallbacks"),
+        for key, name in (("pauses_skipped", "tokenflow_pauses_skipped"),
+                          ("resumes", "tokenflow_resumes"), ("fallbacks", "tokenflow_fallbacks"),
                           ("tokens_recomputed", "tokenflow_tokens_recomputed")):
             self.m.inc(name, d(key, stats.get(key)))
         total, free = sched.get("kv_total_blocks"), sched.get("kv_free_blocks")

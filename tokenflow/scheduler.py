@@ -13,6 +13,19 @@ own preemption; on resume vLLM re-admits it, reloading KV from the offload
 connector or recomputing). Parked requests still count as unfinished and
 are handled on abort.
 
+Under async scheduling (the GPU loop) the policy acts while every running
+request has a step in flight; both pauses are applied anyway:
+- release goes through vLLM's `_preempt_request`, which marks the in-flight
+  output stale: its token is still delivered and kept, and the resumed
+  request recomputes from zero, so the token is neither lost nor doubled;
+- hold just leaves the next batch, as a running request that vLLM's token
+  budget leaves out does: its in-flight token lands as usual, and when it
+  runs again vLLM sends the runner its full token list (it was not in the
+  previous step).
+A parked request is put back only once no step of it is in flight (the
+resume waits a step otherwise), so a resumed request never overtakes its
+own output. tests/vllm_loop.py drives vLLM's real loop to check all this.
+
 This module is the only one (with kv_offload/) that touches vLLM internals.
 """
 
@@ -21,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -42,7 +56,12 @@ class SchedulerStats:
     decisions: int = 0  # policy calls that changed something
     pauses_hold: int = 0
     pauses_release: int = 0
+    # Pauses decided but not applied: the request had finished, left
+    # `running`, or was mid-prefill by the time the decision was applied.
+    pauses_skipped: int = 0
     resumes: int = 0
+    resumes_delayed: int = 0  # resumes put off a step: a step of the request was in flight
+    pauses_in_flight: int = 0  # pauses applied while a step of the request was in flight
     fallbacks: int = 0
     decision_seconds: float = 0.0  # total time inside the policy
     max_running: int = 0  # most requests ever in `running` (<= max_num_seqs)
@@ -75,7 +94,12 @@ class TokenFlowMixin:
         self.meters = EngineMeters.new()
         self.tf_stats = SchedulerStats()
         self._next_decision = 0.0
-        self._step_started: float | None = None
+        # When each step in flight was scheduled (two at once under async
+        # scheduling), and when the last step's output came in.
+        self._scheduled_at: deque[float] = deque(maxlen=8)
+        self._last_output_at: float | None = None
+        # Resumes decided while a step of the request was still in flight.
+        self._resume_next: list[str] = []
         self._seen_output: dict[str, int] = {}
         self._computed_at_release: dict[str, int] = {}
         # TokenFlow's offloading connector (kv_offload/) reports the host
@@ -106,10 +130,12 @@ class TokenFlowMixin:
 
     def schedule(self, *args, **kwargs):
         now = self.clock()
+        if self._resume_next:
+            self._resume(self._resume_next, [])
         if self.policy is not None and now >= self._next_decision:
             self._next_decision = now + self.tf_config.dt
             self._reschedule(now)
-        self._step_started = now
+        self._scheduled_at.append(now)
         out = super().schedule(*args, **kwargs)
         if self._computed_at_release:
             self._count_recompute(out)
@@ -180,12 +206,18 @@ class TokenFlowMixin:
         self.released.pop(req_id, None)
 
     def _measure_step(self, scheduler_output, now: float) -> None:
-        if self._step_started is None:
+        """A step ran from when it was scheduled or when the previous step's
+        output came in, whichever is later: under async scheduling step N+1
+        is scheduled before step N ends, and steps then follow back to back."""
+        scheduled = self._scheduled_at.popleft() if self._scheduled_at else None
+        last, self._last_output_at = self._last_output_at, now
+        if scheduled is None or not scheduler_output.total_num_scheduled_tokens:
             return
+        start = scheduled if last is None else max(scheduled, last)
         counts = scheduler_output.num_scheduled_tokens.values()
         decode = sum(1 for n in counts if n == 1)
         prefill = sum(n for n in counts if n > 1)
-        self.meters.on_step(now - self._step_started, decode, prefill)
+        self.meters.on_step(now - start, decode, prefill)
 
     # --- the decision -----------------------------------------------------
     def _view(self, req: Request, phase: Phase, now: float, resident: bool) -> RequestView:
@@ -224,9 +256,9 @@ class TokenFlowMixin:
             total_blocks=self.kv_cache_config.num_blocks,
             free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
             max_num_seqs=self.max_num_running_reqs,
-            decode_tps=m.peak_decode_tps or None,
+            decode_tps=m.decode_capacity,
             step_rate=m.step_rate.value,
-            prefill_tps=m.prefill_tps.value,
+            prefill_tps=m.prefill_speed,
             transfer_tps=self._transfer_tps(),
             host_blocks=self._host_pool_size() if self._host_pool_size else 0,
         )
@@ -260,31 +292,50 @@ class TokenFlowMixin:
     def _apply(self, d: Decision, now: float) -> None:
         by_id = {r.request_id: r for r in self.running}
         stamp = time.monotonic()
+        stats = self.tf_stats
         for req_id in d.pause_hold:
+            if req_id in self.held:
+                continue  # already held: stays so
             req = by_id.get(req_id)
-            if req is not None and self._pausable(req):
-                self.running.remove(req)
-                self.held[req_id] = req
-                self.tf_stats.pauses_hold += 1
+            if req is None or not self._pausable(req):
+                stats.pauses_skipped += 1
+                continue
+            self.running.remove(req)  # left out of the next batch; KV kept
+            self.held[req_id] = req
+            stats.pauses_hold += 1
+            stats.pauses_in_flight += self._in_flight(req)
         for req_id in d.pause_release:
+            if req_id in self.released:
+                continue  # already released: stays so
             req = by_id.get(req_id) or self.held.pop(req_id, None)
             if req is None or not self._pausable(req):
+                stats.pauses_skipped += 1
                 continue
             if req in self.running:
                 self.running.remove(req)
+            stats.pauses_in_flight += self._in_flight(req)
             self._computed_at_release[req_id] = req.num_computed_tokens
-            self._preempt_request(req, stamp)  # frees blocks, queues in `waiting`
+            # vLLM's own preemption: frees the blocks, resets the request to
+            # recompute, marks any in-flight output stale, queues it in
+            # `waiting` (taken out again: parked until resumed).
+            self._preempt_request(req, stamp)
             self.waiting.remove_request(req)
             self.released[req_id] = req
-            self.tf_stats.pauses_release += 1
+            stats.pauses_release += 1
         if self._skip_reload is not None:
             for req_id in d.recompute:  # the connector then reports no host hit for it
                 self._skip_reload(req_id)
         self._resume(d.run, d.admit)
 
     def _pausable(self, req: Request) -> bool:
-        # With async scheduling a step may still be in flight for it.
-        return req.status == RequestStatus.RUNNING and req.num_output_placeholders == 0
+        """Running, and past its prompt (a prefill chunk may be in flight
+        then; a step of decode in flight is fine, see the module doc)."""
+        return req.status == RequestStatus.RUNNING and req.num_output_tokens > 0
+
+    @staticmethod
+    def _in_flight(req: Request) -> bool:
+        """A step of it is scheduled and its output not in yet (async)."""
+        return req.num_in_flight_tokens > 0
 
     def _resume(self, run_order: list[str], admit: list[str]) -> None:
         order = {req_id: i for i, req_id in enumerate(run_order)}
@@ -293,11 +344,21 @@ class TokenFlowMixin:
         to_queue = [waiting[i] for i in admit if i in waiting]
         for req in to_queue:
             self.waiting.remove_request(req)
+        self._resume_next = []
         for req_id in run_order:
-            if req_id in self.held and len(self.running) < self.max_num_running_reqs:
-                self.running.append(self.held.pop(req_id))
-                self.tf_stats.resumes += 1
-            elif req_id in self.released:
+            parked = self.held.get(req_id) or self.released.get(req_id)
+            if parked is None:
+                continue
+            if self._in_flight(parked):
+                # Its last step's output is not in yet; under async
+                # scheduling it will be by the next schedule().
+                self._resume_next.append(req_id)
+                self.tf_stats.resumes_delayed += 1
+            elif req_id in self.held:
+                if len(self.running) < self.max_num_running_reqs:
+                    self.running.append(self.held.pop(req_id))
+                    self.tf_stats.resumes += 1
+            else:
                 to_queue.append(self.released.pop(req_id))
                 self.tf_stats.resumes += 1
         # vLLM re-admits these first: newcomers, then resumed requests in
@@ -331,7 +392,7 @@ class TokenFlowMixin:
             "buffer_s": buffers,
             "required_rate": sum(self.readers[r.request_id].rate for r in running)
             + sum(self.readers[i].rate for i in (*self.held, *self.released) if i in self.readers),
-            "decode_tps": self.meters.peak_decode_tps or None,
+            "decode_tps": self.meters.decode_capacity,
             "kv_free_blocks": kv.get_num_free_blocks(),
             "kv_total_blocks": self.kv_cache_config.num_blocks,
             "host_pool_blocks": self._host_pool_size() if self._host_pool_size else 0,

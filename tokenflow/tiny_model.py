@@ -66,46 +66,54 @@ def _build_tokenizer(out: Path, seed: int) -> None:
     fast.save_pretrained(out)
 
 
-def _build_weights(out: Path, seed: int, vocab: int) -> None:
+# Layer shapes of the tiny model and of a Llama-3-8B-shaped one (the GPU check).
+TINY_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4,  # head size 64: supported by the CPU backend
+                  num_key_value_heads=2, max_position_embeddings=4096)
+LLAMA3_8B_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0)
+
+
+def _build_weights(out: Path, seed: int, vocab: int, shape: dict = TINY_SHAPE,
+                   dtype: str = "float32", device: str = "cpu") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head size 64: supported by the CPU backend
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        **shape,
         initializer_range=0.1,  # peakier attention: outputs depend on the whole context
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     with torch.no_grad():
         # Never prefer EOS under greedy decoding, so answers run to max_tokens
         # and tests know their lengths.
         model.lm_head.weight[config.eos_token_id].zero_()
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="4GB")
 
 
-def make_tiny_model(out_dir: str | Path = DEFAULT_DIR, seed: int = 0, force: bool = False) -> Path:
-    """Write the model to out_dir (atomically); reuse a complete one unless force."""
+def make_random_llama(out_dir: str | Path, shape: dict, seed: int = 0, dtype: str = "bfloat16",
+                      device: str = "cpu", name: str = "random-llama") -> Path:
+    """A Llama of the given layer shape with seeded random weights and the
+    tiny model's tokenizer, written atomically; reused when complete."""
     out = Path(out_dir)
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and not force:
+    if (out / "tokenflow.json").exists() and not force_rebuild(out, seed, name):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
         _build_tokenizer(tmp, seed)
         vocab = len(json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"])
-        _build_weights(tmp, seed, vocab)
-        (tmp / "tokenflow.json").write_text(json.dumps({"seed": seed, "name": MODEL_NAME}))
+        _build_weights(tmp, seed, vocab, shape, dtype, device)
+        (tmp / "tokenflow.json").write_text(json.dumps({"seed": seed, "name": name}))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -113,3 +121,19 @@ def make_tiny_model(out_dir: str | Path = DEFAULT_DIR, seed: int = 0, force: boo
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def force_rebuild(out: Path, seed: int, name: str) -> bool:
+    """A model directory made with another seed or name is rebuilt."""
+    meta = json.loads((out / "tokenflow.json").read_text())
+    return meta.get("seed") != seed or meta.get("name") != name
+
+
+def make_tiny_model(out_dir: str | Path = DEFAULT_DIR, seed: int = 0, force: bool = False) -> Path:
+    """Write the model to out_dir (atomically); reuse a complete one unless force."""
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and not force:
+        return out
+    if force and out.exists():
+        shutil.rmtree(out)
+    return make_random_llama(out, TINY_SHAPE, seed, dtype="float32", name=MODEL_NAME)

@@ -1,0 +1,385 @@
+"""vLLM's GPU engine loop, run on CPU without a model.
+
+The scheduler under test is vLLM's real one (or ours on top of it), with
+vLLM's real KV cache manager, driven by vLLM's own `EngineCore.step` or
+`EngineCore.step_with_batch_queue` (two batches in flight: `schedule()` of
+step N+1 runs before `update_from_output()` of step N). Only the model
+executor is a stand-in, `MirrorRunner`:
+
+- it keeps per-request state the way vLLM's V1 GPU model runner does under
+  async scheduling: it appends its own sampled token at once (the scheduler
+  learns it a step later), drops requests that a step leaves out from its
+  persistent batch, and re-reads their output tokens from the scheduler's
+  `all_token_ids` when they come back;
+- it writes each scheduled token into the KV block the scheduler assigned,
+  and the next token is a pure function of the context *read back from
+  those blocks*. A request that reads KV it does not own, misses a token or
+  holds one twice gets a different continuation, so token-for-token
+  equality with the stock scheduler is a real check.
+
+Run `python -m tests.vllm_loop` for the burst table of stock, TokenFlow and
+Andes schedulers (pauses and TTFT in steps).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+VOCAB = 4000  # tokens the stand-in model emits (ids 10..VOCAB+9)
+BLOCK = 16
+
+
+@dataclass
+class RunnerRequest:
+    tokens: list[int]  # prompt + outputs, as this runner knows them
+    num_prompt: int
+    blocks: list[int]
+    num_computed: int = 0
+
+
+class MirrorRunner:
+    """A deterministic model behind vLLM's runner bookkeeping (see module doc)."""
+
+    def __init__(self, block_size: int, async_scheduling: bool):
+        self.block_size = block_size
+        self.async_scheduling = async_scheduling
+        self.reqs: dict[str, RunnerRequest] = {}
+        self.batch: set[str] = set()  # vLLM's persistent batch
+        self.kv: dict[int, list[int | None]] = {}  # block id -> token at each slot
+        self.steps = 0
+        self.last_shape = (0, 0)  # decode tokens, prefill tokens of the last step
+
+    def execute(self, so):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        for rid in so.finished_req_ids:
+            self.reqs.pop(rid, None)
+            self.batch.discard(rid)
+        cached = so.scheduled_cached_reqs
+        # Left out of this step, or resumed after preemption: out of the batch.
+        for rid in list(self.batch):
+            if rid not in so.num_scheduled_tokens or rid in cached.resumed_req_ids:
+                self.batch.discard(rid)
+        for new in so.scheduled_new_reqs:
+            self.reqs[new.req_id] = RunnerRequest(list(new.prompt_token_ids), len(new.prompt_token_ids),
+                                                  list(new.block_ids[0]), new.num_computed_tokens)
+            self.batch.add(new.req_id)
+        for i, rid in enumerate(cached.req_ids):
+            self._update_cached(rid, i, cached)
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        self.steps += 1
+        ids, sampled, decode, prefill = [], [], 0, 0
+        for rid, n in so.num_scheduled_tokens.items():
+            ids.append(rid)
+            sampled.append(self._forward(rid, n))
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
+        self.last_shape = (decode, prefill)
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled)
+
+    def _update_cached(self, rid: str, i: int, cached) -> None:
+        st = self.reqs[rid]
+        st.num_computed = cached.num_computed_tokens[i]
+        new_blocks = cached.new_block_ids[i]
+        if rid in cached.resumed_req_ids:
+            st.blocks = list(new_blocks[0])
+        elif new_blocks is not None:
+            st.blocks.extend(new_blocks[0])
+        if rid not in self.batch:
+            # As the GPU runner: under async scheduling its own cache of a
+            # request that left the batch may be short or stale, so the
+            # output tokens come from the scheduler's full list.
+            n_out = cached.num_output_tokens[i]
+            if self.async_scheduling and n_out > 0:
+                st.tokens = st.tokens[:st.num_prompt] + list(cached.all_token_ids[rid][-n_out:])
+            self.batch.add(rid)
+        else:
+            # Sync scheduling: a running request's cache may lack nothing.
+            del st.tokens[st.num_prompt + cached.num_output_tokens[i]:]
+
+    def _forward(self, rid: str, n: int) -> list[int]:
+        st, bs = self.reqs[rid], self.block_size
+        start, end = st.num_computed, st.num_computed + n
+        if end > len(st.tokens):
+            raise AssertionError(f"{rid}: scheduled up to {end} tokens, runner knows {len(st.tokens)}")
+        for pos in range(start, end):
+            block = self.kv.setdefault(st.blocks[pos // bs], [None] * bs)
+            block[pos % bs] = st.tokens[pos]
+        if end < len(st.tokens):
+            return []  # a prefill chunk: no token sampled
+        full, rest = divmod(end, bs)
+        ctx = [tuple(self.kv[b]) for b in st.blocks[:full]]
+        if rest:
+            ctx.append(tuple(self.kv[st.blocks[full]][:rest]))
+        token = 10 + hash((end, tuple(ctx))) % VOCAB
+        st.tokens.append(token)
+        return [token]
+
+
+class MirrorExecutor:
+    """What EngineCore calls on its executor, answered by MirrorRunner. A
+    step's time passes (on the fake clock) when EngineCore waits for its
+    output, as it would on a GPU: under async scheduling the next step is
+    scheduled before that wait."""
+
+    def __init__(self, runner: MirrorRunner, step_cost):
+        self.runner = runner
+        self.step_cost = step_cost  # (decode tokens, prefill tokens) -> None
+        self._sampled = None
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        out = self.runner.execute(scheduler_output)
+        # The GPU runner returns None when sampling follows (sample_tokens).
+        result = None if scheduler_output.total_num_scheduled_tokens else out
+        self._sampled = (out, self.runner.last_shape)
+        return _StepFuture(result) if non_block else result
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):
+        (out, shape), self._sampled = self._sampled, None
+        if non_block:
+            return _StepFuture(out, lambda: self.step_cost(*shape))
+        self.step_cost(*shape)
+        return out
+
+
+class _StepFuture(Future):
+    """A finished future whose first result() lets the step's time pass."""
+
+    def __init__(self, value, on_wait=None):
+        super().__init__()
+        self.set_result(value)
+        self._on_wait = on_wait
+
+    def result(self, timeout=None):
+        if self._on_wait is not None:
+            wait, self._on_wait = self._on_wait, None
+            wait()
+        return super().result(timeout)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class StepCost:
+    """Model step time: fixed cost plus per-token costs, on a fake clock."""
+
+    clock: FakeClock
+    base_s: float = 0.004
+    decode_s: float = 0.0002
+    prefill_s: float = 0.00002
+
+    def __call__(self, decode: int, prefill: int) -> None:
+        self.clock.t += self.base_s + self.decode_s * decode + self.prefill_s * prefill
+
+
+@dataclass
+class Loop:
+    """One engine core: scheduler + mirror runner + vLLM's step function."""
+
+    core: object
+    runner: MirrorRunner
+    clock: FakeClock
+    async_scheduling: bool
+    step_no: int = 0
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # what each client received
+    first_token_step: dict[str, int] = field(default_factory=dict)
+    arrival_step: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, str] = field(default_factory=dict)  # request id -> finish reason
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, rate: float | None = None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"consumption_rate": rate} if rate is not None else None
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        req = Request(rid, list(prompt), sp, None, arrival_time=self.clock.t,
+                      block_hasher=self.core.request_block_hasher)
+        self.scheduler.add_request(req)
+        self.tokens[rid] = []
+        self.arrival_step[rid] = self.step_no
+
+    def step(self) -> None:
+        """One call of vLLM's engine step, as its busy loop makes it."""
+        core = self.core
+        outputs, _ = core.step_with_batch_queue() if self.async_scheduling else core.step()
+        self.step_no += 1
+        for eco in (outputs or {}).values():
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    self.tokens[o.request_id].extend(o.new_token_ids)
+                    self.first_token_step.setdefault(o.request_id, self.step_no)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = str(o.finish_reason)
+
+    def busy(self) -> bool:
+        core = self.core
+        return core.scheduler.has_requests() or bool(core.batch_queue)
+
+    def run(self, max_steps: int = 20000) -> None:
+        for _ in range(max_steps):
+            if not self.busy():
+                return
+            self.step()
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def abort(self, rids: list[str]) -> None:
+        """As a client disconnect reaches EngineCore between steps."""
+        self.core.abort_requests(rids)
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def make_loop(scheduler_cls=None, tokenflow: dict | None = None, *, async_scheduling: bool = True,
+              num_blocks: int = 200, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
+              block_size: int = BLOCK, max_model_len: int = 1024, prefix_caching: bool = True) -> Loop:
+    """An EngineCore as vLLM builds it, minus the model executor."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from tests.engines import ensure_model, inproc_env
+
+    args = EngineArgs(model=ensure_model(), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                      enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
+                      enforce_eager=True, skip_tokenizer_init=True, disable_log_stats=True)
+    if scheduler_cls is not None:
+        args.scheduler_cls = scheduler_cls
+        args.additional_config = {"tokenflow": tokenflow or {}}
+    with inproc_env():
+        config = args.create_engine_config()
+    # The CPU platform switches async scheduling off inside VllmConfig; the
+    # GPU loop is what this harness stands for.
+    config.scheduler_config.async_scheduling = async_scheduling
+    if scheduler_cls is None:
+        config.scheduler_config.scheduler_cls = None
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    config.cache_config.num_gpu_blocks = num_blocks
+    sched_cls = config.scheduler_config.get_scheduler_cls()
+    scheduler = sched_cls(vllm_config=config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(config),
+                          block_size=block_size, log_stats=True)
+    clock = FakeClock()
+    if hasattr(scheduler, "clock"):
+        scheduler.clock = clock
+    runner = MirrorRunner(block_size, async_scheduling)
+
+    core = EngineCore.__new__(EngineCore)  # vLLM's step functions, our executor
+    core.vllm_config = config
+    core.scheduler = scheduler
+    core.model_executor = MirrorExecutor(runner, StepCost(clock))
+    core.log_stats = False
+    core.is_mm_encoder_only = False
+    core.is_pooling_model = False
+    core.check_for_draft_tokens = False
+    core.async_scheduling = async_scheduling
+    core.aborts_queue = queue.Queue()
+    core._weight_version = "default"
+    core.batch_queue_size = config.max_concurrent_batches
+    core.batch_queue = deque(maxlen=core.batch_queue_size) if core.batch_queue_size > 1 else None
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    core.request_block_hasher = get_request_block_hasher(block_size, hash_fn)
+    if async_scheduling:
+        assert core.batch_queue_size == 2, "the GPU loop keeps two batches in flight"
+    return Loop(core, runner, clock, async_scheduling)
+
+
+@dataclass
+class Burst:
+    """A burst that overfills sequence slots and KV: `requests` at once,
+    then `late` more a few steps later (the burst's tail)."""
+
+    requests: int = 40
+    late: int = 8
+    late_after_steps: int = 60
+    prompt: int = 40
+    max_tokens: int = 160
+    rates: tuple = (5.0, 10.0, 20.0)
+    seed: int = 0
+
+    def items(self):
+        rng = random.Random(self.seed)
+        for i in range(self.requests + self.late):
+            prompt = [rng.randrange(10, VOCAB) for _ in range(self.prompt)]
+            yield f"r{i}", prompt, self.max_tokens, rng.choice(self.rates)
+
+
+def run_burst(loop: Loop, burst: Burst, on_step=None) -> Loop:
+    items = list(burst.items())
+    for rid, prompt, n, rate in items[:burst.requests]:
+        loop.add(rid, prompt, n, rate)
+    late = items[burst.requests:]
+    for _ in range(20000):
+        if loop.step_no == burst.late_after_steps:
+            for rid, prompt, n, rate in late:
+                loop.add(rid, prompt, n, rate)
+        if on_step is not None:
+            on_step(loop)
+        if not loop.busy() and loop.step_no >= burst.late_after_steps:
+            return loop
+        loop.step()
+    raise AssertionError("burst did not finish")
+
+
+def ttft_steps(loop: Loop, rids) -> list[int]:
+    return sorted(loop.first_token_step[r] - loop.arrival_step[r] for r in rids)
+
+
+TF_ASYNC = "tokenflow.scheduler.TokenFlowAsyncScheduler"
+TF_SYNC = "tokenflow.scheduler.TokenFlowScheduler"
+FAST = {"dt": 0.05}
+
+
+def table() -> list[dict]:
+    burst = Burst()
+    rows = []
+    for name, cls, tf in (("stock AsyncScheduler", None, None),
+                          ("TokenFlow (async)", TF_ASYNC, {**FAST, "policy": "tokenflow"}),
+                          ("Andes (async)", TF_ASYNC, {**FAST, "policy": "andes"})):
+        loop = run_burst(make_loop(cls, tf), burst)
+        tail = [f"r{i}" for i in range(burst.requests, burst.requests + burst.late)]
+        all_ttft = ttft_steps(loop, loop.tokens)
+        stats = getattr(loop.scheduler, "tf_stats", None)
+        rows.append({
+            "scheduler": name, "steps": loop.step_no,
+            "pauses_hold": stats.pauses_hold if stats else 0,
+            "pauses_release": stats.pauses_release if stats else 0,
+            "pauses_skipped": stats.pauses_skipped if stats else 0,
+            "resumes": stats.resumes if stats else 0,
+            "ttft_steps_p50": all_ttft[len(all_ttft) // 2], "ttft_steps_max": all_ttft[-1],
+            "tail_ttft_steps_max": max(ttft_steps(loop, tail)),
+        })
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+
+    for row in table():
+        print(json.dumps(row))
