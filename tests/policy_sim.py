@@ -79,7 +79,20 @@ class SimEngine:
             r.paused_since = None
         return d
 
+    def admit(self):
+        """Like vLLM between decisions: waiting requests start in arrival
+        order while sequence slots and KV blocks last."""
+        running = sum(1 for r in self.reqs.values() if r.phase == Phase.RUNNING)
+        for r in sorted(self.reqs.values(), key=lambda r: r.arrival):
+            if r.phase != Phase.WAITING:
+                continue
+            if running >= self.max_num_seqs or self.used() + self.blocks(r) > self.total_blocks:
+                break
+            r.phase, r.resident = Phase.RUNNING, True
+            running += 1
+
     def step(self):
+        self.admit()
         self.now += 1.0 / self.step_rate
         for r in list(self.reqs.values()):
             if r.phase != Phase.RUNNING:

@@ -190,8 +190,11 @@ def reference_decide(policy, reqs, eng):
     waiting = [r for r in reqs if r.phase is Phase.WAITING]
     active = [r for r in reqs if r.phase is not Phase.WAITING]
     running = [r for r in active if r.phase is Phase.RUNNING]
-    dry = [r for r in running if r.num_output and r.buffer_tokens < cfg.critical_buffer_s * r.rate]
-    if len(running) == len(reqs) and not dry:
+    paused = [r for r in active if r.phase is Phase.PAUSED]
+    headroom = math.ceil(cfg.kv_headroom * eng.total_blocks)
+    fits = (len(running) + len(waiting) <= eng.max_num_seqs
+            and sum(r.blocks for r in waiting) + headroom <= eng.free_blocks)
+    if not paused and fits:
         return None
     required = 0.0
     for r in active:

@@ -370,6 +370,7 @@ def table() -> list[dict]:
             "scheduler": name, "steps": loop.step_no,
             "pauses_hold": stats.pauses_hold if stats else 0,
             "pauses_release": stats.pauses_release if stats else 0,
+            "pauses_in_flight": stats.pauses_in_flight if stats else 0,
             "pauses_skipped": stats.pauses_skipped if stats else 0,
             "resumes": stats.resumes if stats else 0,
             "ttft_steps_p50": all_ttft[len(all_ttft) // 2], "ttft_steps_max": all_ttft[-1],

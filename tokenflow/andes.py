@@ -13,12 +13,15 @@ density); running requests get a bonus (1.5x) to limit churn.
 from __future__ import annotations
 
 from tokenflow.config import TokenFlowConfig
-from tokenflow.policy import Decision, EngineView, Phase, RequestView
+from tokenflow.policy import Decision, EngineView, Phase, QueueCounts, RequestView
 
 
 class AndesPolicy:
     def __init__(self, cfg: TokenFlowConfig):
         self.cfg = cfg
+
+    def needs_decision(self, q: QueueCounts) -> bool:
+        return True  # Andes' own trigger (KV use) is in decide()
 
     def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
         cfg = self.cfg

@@ -59,33 +59,48 @@ class StepCostFit:
 
     def coef(self) -> tuple[float, float, float] | None:
         """(base s, s per decode token, s per prefill token), or None while
-        the steps seen cannot separate them."""
+        the steps seen cannot separate them: a token budget that prefill
+        fills to the brim every step makes prefill = budget - decode, and
+        then only base + prefill cost together can be known (`coef2`)."""
         if self._stale:
             self._stale = False
             self._coef = None
             if self.samples >= self.min_samples:
-                sol = _solve3(self.xx, self.xy)
-                if sol is not None:
+                sol = _solve(self.xx, self.xy)
+                if sol is not None and sol[0] > 0 and sol[1] >= 0 and sol[2] > 0:
                     self._coef = (sol[0], sol[1] / DECODE_UNIT, sol[2] / PREFILL_UNIT)
         return self._coef
 
+    def coef2(self) -> tuple[float, float] | None:
+        """(s per step, s per decode token) with the prefill done alongside
+        counted in the per-step cost: what decoding costs at the current
+        prefill load."""
+        if self.samples < self.min_samples:
+            return None
+        sol = _solve([row[:2] for row in self.xx[:2]], self.xy[:2])
+        if sol is None or sol[0] <= 0 or sol[1] < 0:
+            return None
+        return sol[0], sol[1] / DECODE_UNIT
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when near-singular."""
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when near-singular
+    (a pivot under 1e-6 of the largest diagonal entry)."""
+    n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    scale = max(abs(m[i][i]) for i in range(3)) or 1.0
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-9 * scale:
+    scale = max(abs(m[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-6 * scale:
             return None
         m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
+        for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
-            for c in range(col, 4):
+            for c in range(col, n + 1):
                 m[r][c] -= f * m[col][c]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
     return x
 
 
@@ -117,12 +132,18 @@ class EngineMeters:
 
     @property
     def decode_capacity(self) -> float | None:
-        """Decode tokens/s the engine sustains with its largest batch and no
-        prefill: the fit's prediction, else the best decode-only step seen."""
-        c = self.fit.coef()
+        """Decode tokens/s the engine sustains with its largest batch: with
+        no prefill where the fit can tell, else at the current prefill load
+        (a lower bound), and never below the best decode-only step seen."""
         b = self.max_decode_batch
-        if c is not None and b and c[0] > 0 and c[1] >= 0:
+        if not b:
+            return self.peak_decode_tps or None
+        c = self.fit.coef()
+        if c is not None:
             return max(b / (c[0] + c[1] * b), self.peak_decode_tps)
+        c2 = self.fit.coef2()
+        if c2 is not None:
+            return max(b / (c2[0] + c2[1] * b), self.peak_decode_tps)
         return self.peak_decode_tps or None
 
     @property
@@ -130,6 +151,6 @@ class EngineMeters:
         """Prefill tokens/s: the fit's marginal cost where prefill was seen
         often enough to fit, else prefill-only steps."""
         c = self.fit.coef()
-        if c is not None and c[2] > 0 and self.fit.prefill_samples >= self.fit.min_samples:
+        if c is not None and self.fit.prefill_samples >= self.fit.min_samples:
             return 1.0 / c[2]
         return self.prefill_tps.value

@@ -7,8 +7,11 @@ waiting requests are admitted. The policy owns no engine state; the vLLM
 adapter (tokenflow/scheduler.py) builds the snapshot and applies the result.
 
 Steps, as in the paper:
- 1. Stress check: act only when requests wait, paused requests exist, or a
-    running reader is about to run dry.
+ 1. Stress check: act only when paused requests exist, or when vLLM alone
+    would leave someone out: the waiting requests do not all fit in the
+    free sequence slots and KV blocks (less a growth headroom). Otherwise
+    vLLM admits every newcomer in this very step and nothing needs to
+    pause, so TokenFlow costs nothing when nothing contends.
  2. Overload fallback: when the readers' required rates exceed the measured
     decode capacity, resume everything in arrival order (FCFS).
  3. Working set: W_static = floor(M / beta); when few run,
@@ -101,25 +104,50 @@ class Pool:
     required: float  # the active readers' rates, summed
     n_running: int
     blocks: int  # KV blocks of all requests, summed
+    waiting_blocks: int  # KV blocks the waiting requests need to start
 
 
 def survey(reqs: list[RequestView]) -> Pool:
     """Split and count the requests in one pass (it runs over every live
-    request each stressed interval)."""
+    request each interval that has something waiting or paused)."""
     waiting, active = [], []
-    required, n_running, blocks = 0.0, 0, 0
+    required, n_running, blocks, waiting_blocks = 0.0, 0, 0, 0
     waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
     for r in reqs:
         blocks += r.blocks
         phase = r.phase
         if phase is waiting_phase:
             waiting.append(r)
+            waiting_blocks += r.blocks
             continue
         active.append(r)
         required += r.rate
         if phase is running:
             n_running += 1
-    return Pool(waiting, active, required, n_running, blocks)
+    return Pool(waiting, active, required, n_running, blocks, waiting_blocks)
+
+
+@dataclass(slots=True)
+class QueueCounts:
+    """The engine's queues in numbers: what the stress check reads."""
+
+    n_running: int
+    n_waiting: int
+    n_paused: int
+    waiting_blocks: int  # KV blocks the waiting requests need to start
+    free_blocks: int
+    total_blocks: int
+    max_num_seqs: int
+
+
+def contended(q: QueueCounts, kv_headroom: float) -> bool:
+    """Step 1 (the stress check): someone is paused, or the waiting requests
+    do not all fit in the free slots and KV blocks, less the headroom kept
+    for the running requests' growth. Cheap on purpose: the adapter asks it
+    each interval before it builds any snapshot."""
+    if q.n_paused or q.n_running + q.n_waiting > q.max_num_seqs:
+        return True
+    return q.waiting_blocks + math.ceil(kv_headroom * q.total_blocks) > q.free_blocks
 
 
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
@@ -137,9 +165,11 @@ class TokenFlowPolicy:
     def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
         """None means: no stress, leave vLLM's batch as it is."""
         cfg = self.cfg
-        if not self.stressed(reqs):
-            return None
         pool = survey(reqs)
+        counts = QueueCounts(pool.n_running, len(pool.waiting), len(pool.active) - pool.n_running,
+                             pool.waiting_blocks, eng.free_blocks, eng.total_blocks, eng.max_num_seqs)
+        if not self.needs_decision(counts):
+            return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
         room = self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng)
@@ -150,15 +180,8 @@ class TokenFlowPolicy:
         chosen = self.pack(sorted(candidates, key=self.rank_key_fn(eng)), eng)
         return self.to_decision(pool, chosen, eng)
 
-    def stressed(self, reqs: list[RequestView]) -> bool:
-        """Step 1: someone waits or is paused, or a running reader is about
-        to run dry. Under stress the first request usually answers, so the
-        common unstressed interval pays for this loop alone."""
-        crit, running = self.cfg.critical_buffer_s, Phase.RUNNING
-        for r in reqs:
-            if r.phase is not running or (r.num_output and r.buffer_tokens < crit * r.rate):
-                return True
-        return False
+    def needs_decision(self, q: QueueCounts) -> bool:
+        return contended(q, self.cfg.kv_headroom)
 
     # --- pieces -----------------------------------------------------------
     def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:

@@ -46,7 +46,7 @@ from tokenflow.andes import AndesPolicy
 from tokenflow.buffer import ReaderBuffer
 from tokenflow.config import TokenFlowConfig, parse_rate
 from tokenflow.meters import EngineMeters
-from tokenflow.policy import Decision, EngineView, Phase, RequestView, TokenFlowPolicy
+from tokenflow.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,17 @@ class TokenFlowMixin:
         """Host<->device KV speed in tokens/s, when an offload tier is present."""
         return self._transfer_meter() if self._transfer_meter else None
 
+    def _queue_counts(self) -> QueueCounts:
+        """The queues in numbers, without a snapshot of every request."""
+        bs = self.block_size
+        waiting_blocks = sum((r.num_tokens + bs) // bs for r in self.waiting)
+        return QueueCounts(len(self.running), len(self.waiting), len(self.held) + len(self.released),
+                           waiting_blocks, self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                           self.kv_cache_config.num_blocks, self.max_num_running_reqs)
+
     def _reschedule(self, now: float) -> None:
+        if not self.policy.needs_decision(self._queue_counts()):
+            return  # nothing contends: vLLM admits every newcomer this step
         views, eng = self.snapshot(now)
         if not views:
             return
