@@ -21,7 +21,7 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
         [sys.executable, "-m", "tokenflow.cli", "bench", "--out", str(out), "--requests", "12",
          "--output-tokens", "24", "--prompt-tokens", "16", "--kv-bytes", str(1 << 20),
          "--max-num-seqs", "8", "--max-model-len", "256", "--model", ensure_model(),
-         "--tokenflow", '{"dt": 0.02}'],
+         "--tokenflow", '{"dt": 0.02}', "--workload", "gamma", "--load", "0.3"],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -30,6 +30,10 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
     assert "engine-side" in summary["workload"]["timing"]
     # No GPU here: every scheduler ran synchronously, and the summary says so.
     assert summary["workload"]["engine"]["scheduling"] == "sync"
+    # Arrivals sized to 0.3x of the capacity measured first.
+    cal = summary["workload"]["calibration"]
+    assert cal["decode_tps"] > 0 and cal["load"] == 0.3
+    assert summary["workload"]["poisson_rate"] == pytest.approx(0.3 * cal["decode_tps"] / 24)
     for name, res in summary["results"].items():
         assert KEYS <= set(res), name
         assert res["completed"] == 12 and res["failed"] == 0, name

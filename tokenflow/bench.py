@@ -15,7 +15,7 @@ import os
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tokenflow.buffer import ReaderBuffer
@@ -49,9 +49,12 @@ def resolve_scheduling(mode: str) -> str:
 
 @dataclass
 class Workload:
-    kind: str = "burst"  # burst | poisson
+    kind: str = "burst"  # burst | poisson | gamma
     requests: int = 128
-    poisson_rate: float = 8.0  # requests/s when kind == poisson
+    poisson_rate: float = 8.0  # requests/s when kind is poisson or gamma
+    # Gamma arrivals: the gaps' coefficient of variation (1 = Poisson; more
+    # is burstier), at the same mean rate.
+    gamma_cv: float = 2.0
     rates: list[float] = field(default_factory=lambda: [10.0, 20.0, 40.0])  # reading rates, drawn uniformly
     prompt_tokens: int = 64
     output_tokens: int = 1024
@@ -60,13 +63,27 @@ class Workload:
     def arrivals(self) -> list[float]:
         if self.kind == "burst":
             return [0.0] * self.requests
-        if self.kind == "poisson":
+        if self.kind in ("poisson", "gamma"):
             rng, t, out = random.Random(self.seed), 0.0, []
+            shape = 1.0 / self.gamma_cv ** 2  # gamma gaps with this CV and mean 1/rate
             for _ in range(self.requests):
                 out.append(t)
-                t += rng.expovariate(self.poisson_rate)
+                if self.kind == "poisson":
+                    t += rng.expovariate(self.poisson_rate)
+                else:
+                    t += rng.gammavariate(shape, 1.0 / (shape * self.poisson_rate))
             return out
-        raise ValueError(f"unknown workload kind {self.kind!r} (burst or poisson)")
+        raise ValueError(f"unknown workload kind {self.kind!r} (burst, poisson or gamma)")
+
+    def at_load(self, load: float, decode_tps: float) -> "Workload":
+        """The same workload sized to a share of the engine's measured decode
+        capacity, so one command means the same contention on any machine.
+        A burst: as many readers as together read `load` x capacity. Poisson
+        or gamma: arrivals whose tokens come at `load` x capacity."""
+        mean_rate = statistics.fmean(self.rates)
+        if self.kind == "burst":
+            return replace(self, requests=max(1, round(load * decode_tps / mean_rate)))
+        return replace(self, poisson_rate=load * decode_tps / self.output_tokens)
 
     def reading_rates(self) -> list[float]:
         rng = random.Random(self.seed + 1)
@@ -180,6 +197,35 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
     return list(readers.values()), wall, records
 
 
+def calibrate(eng: EngineSettings, tokens: int = 256) -> dict:
+    """Decode capacity of the engine: vLLM's own scheduler decoding a full
+    batch (max_num_seqs requests) with no prefill; the steps after the
+    first token are timed."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**eng.engine_kwargs("fcfs"))
+    engine = llm.llm_engine
+    rng = random.Random(7)
+    batch = eng.max_num_seqs
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"cal-{i}", {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(16)]}, sp)
+    for _ in range(3):  # prefill, first tokens, warm-up
+        engine.step()
+    steps, t0 = 0, time.monotonic()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    seconds = time.monotonic() - t0
+    del llm, engine
+    gc.collect()
+    decoded = batch * (tokens - 3)
+    return {"decode_tps": decoded / seconds, "batch": batch, "steps": steps, "seconds": seconds,
+            "method": "vLLM's scheduler decoding max_num_seqs requests, no prefill, engine-side timing"}
+
+
 def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
     done = [r for r in readers if r.finished and r.delivered == expected]
     ttfts = [r.ttft for r in readers if r.ttft is not None]
@@ -199,9 +245,19 @@ def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
     }
 
 
-def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True) -> dict:
+def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True,
+              load: float | None = None) -> dict:
+    """Each scheduler in turn on the same workload. With `load`, the
+    workload is first sized to that share of the measured capacity."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    calibration = None
+    if load is not None:
+        calibration = calibrate(eng)
+        wl = wl.at_load(load, calibration["decode_tps"])
+        calibration["load"] = load
+        print(json.dumps({"calibration": calibration, "requests": wl.requests,
+                          "arrival_rate": wl.poisson_rate if wl.kind != "burst" else None}), flush=True)
     results, all_records = {}, {}
     for name in schedulers:
         if name not in SCHEDULERS:
@@ -215,7 +271,8 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
         print(json.dumps({"scheduler": name, **results[name]}), flush=True)
     summary = {
         "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
-                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)"},
+                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)",
+                     "calibration": calibration},
         "results": results,
     }
     if "fcfs" in results and "tokenflow" in results:

@@ -34,6 +34,7 @@ def _cmd_bench(args) -> int:
     from tokenflow.bench import EngineSettings, Workload, run_bench
 
     wl = Workload(kind=args.workload, requests=args.requests, poisson_rate=args.poisson_rate,
+                  gamma_cv=args.gamma_cv,
                   rates=args.rates, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                   seed=args.seed)
     wl.arrivals()  # validates the kind before any engine starts
@@ -42,7 +43,7 @@ def _cmd_bench(args) -> int:
                          block_size=args.block_size or None, offload_bytes=args.offload_bytes,
                          extra=json.loads(args.engine_args),
                          tokenflow={"dt": 0.1, **json.loads(args.tokenflow)}, scheduling=args.scheduling)
-    summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots)
+    summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots, load=args.load)
     print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
     print(f"wrote {args.out}/summary.json")
     return 0
@@ -165,9 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="out/bench")
     c.add_argument("--schedulers", nargs="+", default=["fcfs", "andes", "tokenflow"],
                    choices=["fcfs", "andes", "tokenflow"])
-    c.add_argument("--workload", choices=["burst", "poisson"], default="burst")
+    c.add_argument("--workload", choices=["burst", "poisson", "gamma"], default="burst")
     c.add_argument("--requests", type=_positive_int, default=128)
-    c.add_argument("--poisson-rate", type=_positive_float, default=8.0, help="requests/s for --workload poisson")
+    c.add_argument("--poisson-rate", type=_positive_float, default=8.0,
+                   help="requests/s for --workload poisson or gamma")
+    c.add_argument("--gamma-cv", type=_positive_float, default=2.0,
+                   help="gamma arrivals: coefficient of variation of the gaps (1 = Poisson)")
+    c.add_argument("--load", type=_positive_float,
+                   help="size the workload to this share of the engine's decode capacity, measured first: "
+                        "a burst gets as many readers as read LOAD x capacity; poisson/gamma arrivals "
+                        "bring LOAD x capacity tokens/s (overrides --requests or --poisson-rate)")
     c.add_argument("--rates", type=_positive_float, nargs="+", default=[10.0, 20.0, 40.0],
                    help="reading rates (tokens/s) drawn per request")
     c.add_argument("--prompt-tokens", type=_positive_int, default=64)
