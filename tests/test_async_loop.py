@@ -103,7 +103,7 @@ class ResumesAtOnce:
 
     def _apply(self, d, now):
         super()._apply(d, now)
-        self._resume(list(self.released), [])
+        self._resume(list(self.released))
 
 
 class MarksPausedInFlight:

@@ -221,6 +221,7 @@ def reference_decide(policy, reqs, eng):
     d = Decision()
     need = 0
     for r in chosen:
+        d.order.append(r.req_id)
         if r.phase is Phase.WAITING:
             d.admit.append(r.req_id)
             need += r.blocks
@@ -237,7 +238,7 @@ def reference_decide(policy, reqs, eng):
     d.defer = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]
     losers = [r for r in reqs if r.phase is not Phase.WAITING and r.req_id not in chosen_ids]
     free = eng.free_blocks
-    for r in sorted(losers, key=lambda r: r.buffer_tokens, reverse=True):
+    for r in sorted(losers, key=lambda r: r.buffer_tokens / r.rate, reverse=True):
         if not r.kv_resident:
             d.pause_release.append(r.req_id)
         elif free < need:

@@ -70,6 +70,9 @@ class ClaimsStaleKV:
         super()._preempt_request(request, timestamp, **kw)
         if request.request_id in self.readers:
             request.num_computed_tokens = n - n % self.block_size
+            type(self).broken_releases += 1
+
+    broken_releases = 0  # by TokenFlow's release or vLLM's own preemption
 
 
 def test_broken_resume_is_caught(baseline):
@@ -81,7 +84,7 @@ def test_broken_resume_is_caught(baseline):
         tokens, stats, _, _ = generate("tokenflow.scheduler.BrokenTokenFlowScheduler", FAST)
     finally:
         del sched_mod.BrokenTokenFlowScheduler
-    assert stats.pauses_release > 0
+    assert broken.broken_releases > 0
     assert tokens != baseline
 
 

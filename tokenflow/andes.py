@@ -40,7 +40,7 @@ class AndesPolicy:
                 continue
             chosen.add(r.req_id)
             total += r.blocks
-        d = Decision()
+        d = Decision(order=[r.req_id for r in ranked if r.req_id in chosen])
         for r in reqs:
             if r.phase == Phase.WAITING:
                 (d.admit if r.req_id in chosen else d.defer).append(r.req_id)

@@ -87,6 +87,9 @@ class Decision:
     pause_hold: list[str] = field(default_factory=list)  # pause, keep KV
     pause_release: list[str] = field(default_factory=list)  # pause, free KV
     admit: list[str] = field(default_factory=list)  # waiting requests let in now
+    # run + admit in the order they get slots and KV: priority order, or
+    # arrival order in the FCFS fallback. vLLM re-admits in this order.
+    order: list[str] = field(default_factory=list)
     defer: list[str] = field(default_factory=list)  # waiting requests held back
     reload: list[str] = field(default_factory=list)  # released ones to reload, not recompute
     # Released ones resumed by recompute although the host holds their KV:
@@ -151,10 +154,12 @@ def contended(q: QueueCounts, kv_headroom: float) -> bool:
 
 
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
-    """Everyone runs or is admitted in arrival order; vLLM packs memory."""
+    """Everyone runs or is admitted in arrival order, paused readers (who
+    arrived earlier) before newcomers; vLLM packs memory in that order."""
     d = Decision(fallback_fcfs=True)
     for r in sorted(reqs, key=lambda r: r.arrival_time):
         (d.admit if r.phase == Phase.WAITING else d.run).append(r.req_id)
+        d.order.append(r.req_id)
     return d
 
 
@@ -268,6 +273,7 @@ class TokenFlowPolicy:
         waiting = Phase.WAITING
         need = 0  # blocks the chosen must still get on the device
         for r in chosen:  # in priority order: vLLM preempts from the tail
+            d.order.append(r.req_id)
             if r.phase is waiting:
                 d.admit.append(r.req_id)
                 need += r.blocks
@@ -286,9 +292,10 @@ class TokenFlowPolicy:
         d.defer = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
         losers = [r for r in pool.active if r.req_id not in chosen_ids]
         # Unchosen resident requests free KV only as far as the chosen need
-        # it, largest buffers first; the rest pause holding their blocks.
+        # it, largest buffers (in seconds of reading) first; the rest pause
+        # holding their blocks.
         free = eng.free_blocks
-        losers.sort(key=attrgetter("buffer_tokens"), reverse=True)
+        losers.sort(key=attrgetter("buffer_s"), reverse=True)
         for r in losers:
             if not r.kv_resident:
                 d.pause_release.append(r.req_id)  # already released: stays so

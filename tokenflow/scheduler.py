@@ -131,7 +131,7 @@ class TokenFlowMixin:
     def schedule(self, *args, **kwargs):
         now = self.clock()
         if self._resume_next:
-            self._resume(self._resume_next, [])
+            self._resume(self._resume_next)
         if self.policy is not None and now >= self._next_decision:
             self._next_decision = now + self.tf_config.dt
             self._reschedule(now)
@@ -335,7 +335,7 @@ class TokenFlowMixin:
         if self._skip_reload is not None:
             for req_id in d.recompute:  # the connector then reports no host hit for it
                 self._skip_reload(req_id)
-        self._resume(d.run, d.admit)
+        self._resume(d.order)
 
     def _pausable(self, req: Request) -> bool:
         """Running, and past its prompt (a prefill chunk may be in flight
@@ -347,15 +347,19 @@ class TokenFlowMixin:
         """A step of it is scheduled and its output not in yet (async)."""
         return req.num_in_flight_tokens > 0
 
-    def _resume(self, run_order: list[str], admit: list[str]) -> None:
-        order = {req_id: i for i, req_id in enumerate(run_order)}
-        # Admitted newcomers go to the head of `waiting`, ahead of deferred ones.
+    def _resume(self, order: list[str]) -> None:
+        """Put the chosen back in `order`: held ones into `running` while
+        slots last, released ones and admitted newcomers to the head of
+        `waiting` (ahead of those not chosen), in that order."""
+        rank = {req_id: i for i, req_id in enumerate(order)}
         waiting = {r.request_id: r for r in self.waiting}
-        to_queue = [waiting[i] for i in admit if i in waiting]
-        for req in to_queue:
-            self.waiting.remove_request(req)
+        to_queue = []
         self._resume_next = []
-        for req_id in run_order:
+        for req_id in order:
+            if (req := waiting.get(req_id)) is not None:
+                self.waiting.remove_request(req)
+                to_queue.append(req)
+                continue
             parked = self.held.get(req_id) or self.released.get(req_id)
             if parked is None:
                 continue
@@ -371,13 +375,12 @@ class TokenFlowMixin:
             else:
                 to_queue.append(self.released.pop(req_id))
                 self.tf_stats.resumes += 1
-        # vLLM re-admits these first: newcomers, then resumed requests in
-        # priority order (the front of the queue goes first).
+        # vLLM re-admits from the front of the queue.
         for req in reversed(to_queue):
             self.waiting.prepend_request(req)
         # vLLM preempts from the tail of `running` when blocks run out, so
         # keep the policy's order: its lowest priority goes first.
-        self.running.sort(key=lambda r: order.get(r.request_id, -1))
+        self.running.sort(key=lambda r: rank.get(r.request_id, -1))
 
 
     def tokenflow_state(self) -> dict:
