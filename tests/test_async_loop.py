@@ -63,6 +63,27 @@ def test_burst_pauses_under_async_and_outputs_equal(stock, policy):
         assert tail < tail_stock, (tail, tail_stock)
 
 
+def test_overload_fallback_under_async(stock):
+    """Readers needing more than the engine decodes: the FCFS fallback
+    returns every paused request, in arrival order, under async too."""
+    seen = {}
+
+    def overload_midway(loop):
+        sched = loop.scheduler
+        if "parked" not in seen and sched.held and sched.released:
+            seen["parked"] = set(sched.held) | set(sched.released)
+            sched.policy.cfg.overload_factor = 1e-6  # every reader now "needs" more than capacity
+        elif "parked" in seen and "back" not in seen and not (seen["parked"] & (set(sched.held) | set(sched.released))):
+            seen["back"] = loop.step_no
+
+    loop = run_burst(make_loop(TF_ASYNC, {**FAST}), BURST, on_step=overload_midway)
+    s = loop.scheduler.tf_stats
+    assert seen.get("parked") and s.fallbacks > 0
+    assert "back" in seen  # every request paused before the overload came back to run
+    assert loop.tokens == stock.tokens
+    finished_clean(loop)
+
+
 def test_sync_loop_still_pauses_and_matches(stock):
     loop = run_burst(make_loop(TF_SYNC, {**FAST}, async_scheduling=False), BURST)
     s = loop.scheduler.tf_stats
