@@ -100,6 +100,8 @@ class TokenFlowMixin:
         self._last_output_at: float | None = None
         # Resumes decided while a step of the request was still in flight.
         self._resume_next: list[str] = []
+        # Wall time of each recent decision: snapshot + policy + apply.
+        self.reschedule_seconds: deque[float] = deque(maxlen=4096)
         self._seen_output: dict[str, int] = {}
         self._computed_at_release: dict[str, int] = {}
         # TokenFlow's offloading connector (kv_offload/) reports the host
@@ -288,16 +290,19 @@ class TokenFlowMixin:
     def _reschedule(self, now: float) -> None:
         if not self.policy.needs_decision(self._queue_counts()):
             return  # nothing contends: vLLM admits every newcomer this step
+        t0 = time.perf_counter()
         views, eng = self.snapshot(now)
         if not views:
             return
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         decision = self.policy.decide(views, eng)
-        self.tf_stats.decision_seconds += time.perf_counter() - t0
+        self.tf_stats.decision_seconds += time.perf_counter() - t1
         if decision is not None:
             self.tf_stats.decisions += 1
             self.tf_stats.fallbacks += decision.fallback_fcfs
             self._apply(decision, now)
+        # The whole cost on the step: snapshot, policy and apply.
+        self.reschedule_seconds.append(time.perf_counter() - t0)
 
     def _apply(self, d: Decision, now: float) -> None:
         by_id = {r.request_id: r for r in self.running}
