@@ -100,8 +100,9 @@ class TokenFlowMixin:
         self._last_output_at: float | None = None
         # Resumes decided while a step of the request was still in flight.
         self._resume_next: list[str] = []
-        # Wall time of each recent decision: snapshot + policy + apply.
-        self.reschedule_seconds: deque[float] = deque(maxlen=4096)
+        # (requests seen, wall seconds) of each recent decision, the
+        # snapshot, the policy and the apply together.
+        self.reschedule_seconds: deque[tuple[int, float]] = deque(maxlen=4096)
         self._seen_output: dict[str, int] = {}
         self._computed_at_release: dict[str, int] = {}
         # TokenFlow's offloading connector (kv_offload/) reports the host
@@ -222,35 +223,29 @@ class TokenFlowMixin:
         self.meters.on_step(now - start, decode, prefill)
 
     # --- the decision -----------------------------------------------------
-    def _view(self, req: Request, phase: Phase, now: float, resident: bool) -> RequestView:
-        reader = self.readers[req.request_id]
-        host = self._host_blocks_of
-        return RequestView(
-            req_id=req.request_id,
-            phase=phase,
-            arrival_time=reader.arrival_time,
-            rate=reader.rate,
-            buffer_tokens=reader.buffer(now),
-            num_output=req.num_output_tokens,
-            max_tokens=req.max_tokens,
-            num_tokens=req.num_tokens,
-            blocks=math.ceil((req.num_tokens + 1) / self.block_size),
-            kv_resident=resident,
-            host_blocks=host(req.request_id) if host and not resident else 0,
-        )
+    def _views(self, reqs, phase: Phase, now: float, resident: bool, out: list[RequestView]) -> None:
+        """A RequestView per request that has a reader. It runs over every
+        live request each decision, so lookups are bound once, positional
+        arguments are used, and ceil((n + 1) / bs) is (n + bs) // bs."""
+        readers, bs, view = self.readers, self.block_size, RequestView
+        host = self._host_blocks_of if not resident else None
+        waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED) if phase is Phase.WAITING else None
+        for req in reqs:
+            req_id = req.request_id
+            reader = readers.get(req_id)
+            if reader is None or (waiting_ok is not None and req.status not in waiting_ok):
+                continue
+            n = req.num_tokens
+            out.append(view(req_id, phase, reader.arrival_time, reader.rate, reader.buffer(now),
+                            req.num_output_tokens, req.max_tokens, n, (n + bs) // bs, resident,
+                            host(req_id) if host else 0))
 
     def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
-        views = []
-        for req in self.running:
-            if req.request_id in self.readers:
-                views.append(self._view(req, Phase.RUNNING, now, True))
-        for req in self.held.values():
-            views.append(self._view(req, Phase.PAUSED, now, True))
-        for req in self.released.values():
-            views.append(self._view(req, Phase.PAUSED, now, False))
-        for req in self.waiting:
-            if req.request_id in self.readers and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                views.append(self._view(req, Phase.WAITING, now, False))
+        views: list[RequestView] = []
+        self._views(self.running, Phase.RUNNING, now, True, views)
+        self._views(self.held.values(), Phase.PAUSED, now, True, views)
+        self._views(self.released.values(), Phase.PAUSED, now, False, views)
+        self._views(self.waiting, Phase.WAITING, now, False, views)
         m = self.meters
         eng = EngineView(
             now=now,
@@ -302,7 +297,7 @@ class TokenFlowMixin:
             self.tf_stats.fallbacks += decision.fallback_fcfs
             self._apply(decision, now)
         # The whole cost on the step: snapshot, policy and apply.
-        self.reschedule_seconds.append(time.perf_counter() - t0)
+        self.reschedule_seconds.append((len(views), time.perf_counter() - t0))
 
     def _apply(self, d: Decision, now: float) -> None:
         by_id = {r.request_id: r for r in self.running}
