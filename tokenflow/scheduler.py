@@ -32,7 +32,6 @@ This module is the only one (with kv_offload/) that touches vLLM internals.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -223,11 +222,16 @@ class TokenFlowMixin:
         self.meters.on_step(now - start, decode, prefill)
 
     # --- the decision -----------------------------------------------------
+    def _blocks(self, num_tokens: int) -> int:
+        """KV blocks a request of num_tokens needs to take one more step:
+        ceil((num_tokens + 1) / block_size)."""
+        return (num_tokens + self.block_size) // self.block_size
+
     def _views(self, reqs, phase: Phase, now: float, resident: bool, out: list[RequestView]) -> None:
         """A RequestView per request that has a reader. It runs over every
         live request each decision, so lookups are bound once, positional
-        arguments are used, and ceil((n + 1) / bs) is (n + bs) // bs."""
-        readers, bs, view = self.readers, self.block_size, RequestView
+        arguments are used."""
+        readers, blocks, view = self.readers, self._blocks, RequestView
         host = self._host_blocks_of if not resident else None
         waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED) if phase is Phase.WAITING else None
         for req in reqs:
@@ -237,7 +241,7 @@ class TokenFlowMixin:
                 continue
             n = req.num_tokens
             out.append(view(req_id, phase, reader.arrival_time, reader.rate, reader.buffer(now),
-                            req.num_output_tokens, req.max_tokens, n, (n + bs) // bs, resident,
+                            req.num_output_tokens, req.max_tokens, n, blocks(n), resident,
                             host(req_id) if host else 0))
 
     def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
@@ -276,8 +280,7 @@ class TokenFlowMixin:
 
     def _queue_counts(self) -> QueueCounts:
         """The queues in numbers, without a snapshot of every request."""
-        bs = self.block_size
-        waiting_blocks = sum((r.num_tokens + bs) // bs for r in self.waiting)
+        waiting_blocks = sum(self._blocks(r.num_tokens) for r in self.waiting)
         return QueueCounts(len(self.running), len(self.waiting), len(self.held) + len(self.released),
                            waiting_blocks, self.kv_cache_manager.block_pool.get_num_free_blocks(),
                            self.kv_cache_config.num_blocks, self.max_num_running_reqs)
@@ -317,11 +320,11 @@ class TokenFlowMixin:
         for req_id in d.pause_release:
             if req_id in self.released:
                 continue  # already released: stays so
-            req = by_id.get(req_id) or self.held.pop(req_id, None)
+            req = by_id.get(req_id) or self.held.get(req_id)
             if req is None or not self._pausable(req):
                 stats.pauses_skipped += 1
-                continue
-            if req in self.running:
+                continue  # a held one stays held
+            if self.held.pop(req_id, None) is None:
                 self.running.remove(req)
             stats.pauses_in_flight += self._in_flight(req)
             self._computed_at_release[req_id] = req.num_computed_tokens
