@@ -19,37 +19,13 @@ from tokenflow import launcher
 LOCAL_CONFIG = str(ROOT / "deployments" / "configs" / "local.yaml")
 
 
-SHM = Path("/dev/shm")
-SHM_LEFTOVERS = ("psm_", "sem.mp-")  # Python multiprocessing's shared memory and semaphores
-
-
-def _mapped_names() -> str:
-    """Every path some live process maps, as one string to search."""
-    out = []
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            out.append(maps.read_text())
-        except OSError:
-            continue
-    return "\n".join(out)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leftovers():
-    """vLLM's engine processes, killed with a Serve app rather than shut
-    down, leave their multiprocessing shared memory in /dev/shm. Remove
-    what this session created there that no live process maps any more."""
-    before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    """Remove what vLLM's killed engine processes left in /dev/shm during
+    this session (and no live process maps any more)."""
+    before = launcher.shm_names()
     yield
-    if not SHM.is_dir():
-        return
-    new = [n for n in os.listdir(SHM) if n.startswith(SHM_LEFTOVERS) and n not in before]
-    if not new:
-        return
-    mapped = _mapped_names()
-    for name in new:
-        if name not in mapped:
-            (SHM / name).unlink(missing_ok=True)
+    launcher.remove_shm_leftovers(before)
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,48 @@ def stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
         pass
 
 
+SHM = "/dev/shm"
+# Python multiprocessing's shared memory and semaphores: vLLM's engine
+# processes, killed with a Serve app rather than shut down, leave them here.
+SHM_LEFTOVERS = ("psm_", "sem.mp-")
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def remove_shm_leftovers(before: set[str], settle: float = 0.0) -> None:
+    """Remove the multiprocessing files that appeared in /dev/shm since
+    `before` and that no live process maps; wait up to `settle` s for the
+    processes that still map them to go."""
+    deadline = time.monotonic() + settle
+    while True:
+        new = [n for n in shm_names() - before if n.startswith(SHM_LEFTOVERS)]
+        mapped = _mapped_paths()
+        for name in new:
+            if name not in mapped:
+                try:
+                    os.unlink(os.path.join(SHM, name))
+                except FileNotFoundError:
+                    pass
+        if not any(n in mapped for n in new) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.5)
+
+
+def _mapped_paths() -> str:
+    """Every path some live process maps, as one string to search."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    out.append(f.read())
+            except OSError:
+                continue
+    return "\n".join(out)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -112,6 +154,7 @@ def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float
     signal.signal(signal.SIGTERM, _interrupt)
     settings = app_settings(config)
     base = f"http://{settings['host']}:{settings['port']}"
+    shm_before = shm_names()
     proc = start(config)
     try:
         if not wait_until_ready(base, settings["model"], timeout, proc):
@@ -130,3 +173,5 @@ def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float
         print("\nstopping...", flush=True)
         stop(proc)
         return 0
+    finally:
+        remove_shm_leftovers(shm_before, settle=15.0)
