@@ -42,6 +42,7 @@ class SimEngine:
     done: list[SimRequest] = field(default_factory=list)
     max_blocks_used: int = 0
     pauses: int = 0
+    deferred: set[str] = field(default_factory=set)  # out of the queue until the next decision
 
     def blocks(self, r: SimRequest) -> int:
         return math.ceil((r.prompt + r.out + 1) / self.block_size)
@@ -63,6 +64,7 @@ class SimEngine:
     def decide(self):
         views, eng = self.view()
         d = self.policy.decide(views, eng)
+        self.deferred = set(d.defer) if d is not None else set()
         if d is None:
             return None
         for i in d.pause_hold + d.pause_release:
@@ -84,7 +86,7 @@ class SimEngine:
         order while sequence slots and KV blocks last."""
         running = sum(1 for r in self.reqs.values() if r.phase == Phase.RUNNING)
         for r in sorted(self.reqs.values(), key=lambda r: r.arrival):
-            if r.phase != Phase.WAITING:
+            if r.phase != Phase.WAITING or r.req_id in self.deferred:
                 continue
             if running >= self.max_num_seqs or self.used() + self.blocks(r) > self.total_blocks:
                 break

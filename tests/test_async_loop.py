@@ -22,6 +22,7 @@ def finished_clean(loop) -> None:
     assert loop.free_blocks() == total - 1  # all but vLLM's null block
     assert not sched.requests and not sched.running and not sched.waiting
     assert not getattr(sched, "held", {}) and not getattr(sched, "released", {})
+    assert not getattr(sched, "deferred", {})
     assert not getattr(sched, "readers", {})
 
 
@@ -80,6 +81,26 @@ def test_overload_fallback_under_async(stock):
     s = loop.scheduler.tf_stats
     assert seen.get("parked") and s.fallbacks > 0
     assert "back" in seen  # every request paused before the overload came back to run
+    assert loop.tokens == stock.tokens
+    finished_clean(loop)
+
+
+def test_working_set_bounds_admission(stock):
+    """Newcomers beyond the working set (no host tier, device KV for about
+    a dozen requests) are kept out of vLLM's queue until the next decision,
+    so a slot freed in between does not admit them; all still finish."""
+    seen = {"deferring_steps": 0, "max_active": 0}
+
+    def check(loop):
+        sched = loop.scheduler
+        queued = {r.request_id for r in sched.waiting} | {r.request_id for r in sched.running}
+        assert not set(sched.deferred) & queued
+        if sched.deferred:
+            seen["deferring_steps"] += 1
+
+    loop = run_burst(make_loop(TF_ASYNC, {**FAST, "recompute_overcommit": 0.0}, num_blocks=120), BURST,
+                     on_step=check)
+    assert seen["deferring_steps"] > 0
     assert loop.tokens == stock.tokens
     finished_clean(loop)
 

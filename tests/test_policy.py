@@ -124,11 +124,11 @@ def test_decision_invariants(pop, name):
     d = policy.decide(reqs, eng)
     if d is None:
         return
-    groups = [d.run, d.pause_hold, d.pause_release, d.admit, d.defer]
+    groups = [d.run, d.pause_hold, d.pause_release, d.admit, d.defer, d.wait]
     ids = [i for g in groups for i in g]
     assert sorted(ids) == sorted(r.req_id for r in reqs), "every request gets exactly one fate"
     by_id = {r.req_id: r for r in reqs}
-    assert all(by_id[i].phase == Phase.WAITING for i in d.admit + d.defer)
+    assert all(by_id[i].phase == Phase.WAITING for i in d.admit + d.defer + d.wait)
     assert all(by_id[i].phase != Phase.WAITING for i in d.run + d.pause_hold + d.pause_release)
     assert set(d.reload) <= set(d.run) and set(d.recompute) <= set(d.run)
     assert not set(d.reload) & set(d.recompute)
@@ -168,19 +168,24 @@ def test_decision_time_is_small_at_400():
 # indices, and the unchosen found by a pass over all requests. Both must give
 # the same Decision, list orders included.
 def reference_key(cfg, r, eng):
-    speed_dt = (eng.step_rate or 1.0 / cfg.dt) * cfg.dt
+    step_rate = eng.step_rate or 1.0 / cfg.dt
+    speed_dt = step_rate * cfg.dt
     if eng.transfer_tps:
-        io_per_token = 2.0 / eng.transfer_tps
+        load, swap = 1.0 / eng.transfer_tps, 2.0 / eng.transfer_tps
     else:
-        io_per_token = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
-    rate, b = r.rate, r.buffer_tokens
+        load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+    rate, b, n, step = r.rate, r.buffer_tokens, r.num_tokens, 1.0 / step_rate
     bonus = 0.0
     if r.phase is Phase.RUNNING:
-        if not r.num_output or b < cfg.mu * rate * (r.num_tokens * io_per_token + cfg.dt):
+        swap_s = n * swap + step
+        resume_level = cfg.mu * (n * load + step + cfg.dt)
+        if not r.num_output or b / rate < resume_level + cfg.dt + swap_s:
             return b / rate - 2 * PINNED
-        bonus = cfg.switch_margin
-    elif r.phase is Phase.PAUSED and b < cfg.critical_buffer_s * rate:
-        return b / rate - PINNED
+        bonus = swap_s * (eng.decode_tps or step_rate)
+    elif r.phase is Phase.PAUSED:
+        back = step if r.kv_resident else n * load + step
+        if b / rate < cfg.mu * (back + cfg.dt):
+            return b / rate - PINNED
     useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
     return -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
 
@@ -204,6 +209,7 @@ def reference_decide(policy, reqs, eng):
     waiting.sort(key=lambda r: r.arrival_time)
     room = policy.working_set_room(len(running), len(active), sum(r.blocks for r in reqs) / len(reqs), eng)
     candidates = active + waiting[:room]
+    deferred = [r.req_id for r in waiting[room:]]
     keys = [reference_key(cfg, r, eng) for r in candidates]
     ordered = [candidates[i] for i in sorted(range(len(candidates)), key=lambda i: keys[i])]
     # pack
@@ -218,7 +224,7 @@ def reference_decide(policy, reqs, eng):
             if len(chosen) >= eng.max_num_seqs:
                 break
     # to_decision
-    d = Decision()
+    d = Decision(defer=deferred)
     need = 0
     for r in chosen:
         d.order.append(r.req_id)
@@ -234,8 +240,8 @@ def reference_decide(policy, reqs, eng):
                     d.reload.append(r.req_id)
                 elif mode == "recompute":
                     d.recompute.append(r.req_id)
-    chosen_ids = set(d.run) | set(d.admit)
-    d.defer = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]
+    chosen_ids = set(d.run) | set(d.admit) | set(deferred)
+    d.wait = [r.req_id for r in reqs if r.phase is Phase.WAITING and r.req_id not in chosen_ids]
     losers = [r for r in reqs if r.phase is not Phase.WAITING and r.req_id not in chosen_ids]
     free = eng.free_blocks
     for r in sorted(losers, key=lambda r: r.buffer_tokens / r.rate, reverse=True):
@@ -277,8 +283,7 @@ def tied_populations(draw):
                      transfer_tps=draw(st.one_of(st.none(), st.sampled_from([1000.0, 200_000.0]))),
                      host_blocks=draw(st.sampled_from([0, 50])))
     cfg = TokenFlowConfig(mu=draw(st.sampled_from([1.0, 20.0])), gamma=draw(st.sampled_from([0.0, 50.0])),
-                          switch_margin=draw(st.sampled_from([0.0, 30.0])),
-                          critical_buffer_s=draw(st.sampled_from([0.0, 1.0])))
+                          dt=draw(st.sampled_from([0.05, 0.5])))
     return reqs, eng, cfg
 
 

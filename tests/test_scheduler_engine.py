@@ -110,7 +110,7 @@ def step_until(engine, clock, cond, max_steps=400, dt=0.01):
 @pytest.fixture()
 def small_engine():
     """Four sequence slots, injected clock: the burst below must queue."""
-    llm = make_llm(TF, {"dt": 0.05, "critical_buffer_s": 0.5}, max_num_seqs=4)
+    llm = make_llm(TF, {"dt": 0.05}, max_num_seqs=4)
     sched = scheduler_of(llm)
     clock = FakeClock()
     sched.clock = clock

@@ -43,7 +43,7 @@ class AndesPolicy:
         d = Decision(order=[r.req_id for r in ranked if r.req_id in chosen])
         for r in reqs:
             if r.phase == Phase.WAITING:
-                (d.admit if r.req_id in chosen else d.defer).append(r.req_id)
+                (d.admit if r.req_id in chosen else d.wait).append(r.req_id)
             elif r.req_id in chosen:
                 d.run.append(r.req_id)
             else:

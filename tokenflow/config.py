@@ -47,14 +47,6 @@ class TokenFlowConfig:
     # Weight of the low-buffer penalty gamma * exp(-b / r) in the priority,
     # in tokens: how many useful tokens an empty buffer is worth.
     gamma: float = 50.0
-    # Priority bonus (tokens) of a running request over a paused one: a
-    # paused request displaces a running one only when it is this much more
-    # valuable, so equal requests do not swap every interval.
-    switch_margin: float = 30.0
-    # A running request whose buffer holds less than this many seconds of
-    # reading puts the engine "under stress" and triggers a reschedule; a
-    # paused request below it must resume first.
-    critical_buffer_s: float = 1.0
     # Dynamic working-set shrink factor lambda in
     # W_scheduled = W_static - lambda * (W_static - N_running).
     working_set_lambda: float = 0.5

@@ -16,13 +16,20 @@ Steps, as in the paper:
     decode capacity, resume everything in arrival order (FCFS).
  3. Working set: W_static = floor(M / beta); when few run,
     W_scheduled = W_static - lambda * (W_static - N_running) bounds admission.
- 4. Pinning: a running request whose buffer does not cover
-    mu * r * (t_evict + t_load + dt) may not be paused; a paused request
-    below the critical buffer must resume.
+ 4. Pinning, with a hysteresis made of costs, not tuned levels (`Levels`):
+    a paused request must resume once its buffer would not outlast its
+    return (reload or recompute, one step) plus the interval to the next
+    decision, times mu; a running request may be paused only with a buffer
+    above that level by one interval plus the swap's own cost (evict,
+    reload, a step out), so every pause lasts at least one interval.
  5. Priority: U_i = (useful tokens in the next dt) + gamma * exp(-b_i / r_i).
     The paper writes the penalty as a cost of *pausing*; ranking by the
-    value of *running* adds it instead. Highest U runs while KV blocks and
-    sequence slots last; of the rest, the largest buffers release KV first.
+    value of *running* adds it instead. A running request's U also counts
+    the tokens the engine loses to swapping it out and back (the swap's
+    extra work holds up the whole batch), so two requests swap only when
+    that gains more than it costs. Highest U runs while KV blocks and sequence
+    slots last; of the rest, the largest buffers (in seconds) release KV
+    first.
  6. Resume mode: reload from host when its I/O time is below the prefill
     time of the context, else recompute.
 """
@@ -90,12 +97,37 @@ class Decision:
     # run + admit in the order they get slots and KV: priority order, or
     # arrival order in the FCFS fallback. vLLM re-admits in this order.
     order: list[str] = field(default_factory=list)
-    defer: list[str] = field(default_factory=list)  # waiting requests held back
+    # Waiting requests beyond the working set: kept out of vLLM's queue
+    # until the next decision, so a freed slot does not admit them.
+    defer: list[str] = field(default_factory=list)
+    # Waiting requests not chosen now but within the working set: left in
+    # vLLM's queue, which admits them as slots and KV free up.
+    wait: list[str] = field(default_factory=list)
     reload: list[str] = field(default_factory=list)  # released ones to reload, not recompute
     # Released ones resumed by recompute although the host holds their KV:
     # at the measured speeds, prefill beats the transfer.
     recompute: list[str] = field(default_factory=list)
     fallback_fcfs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """The measured costs the pause and resume levels are made of."""
+
+    step_rate: float  # decode steps/s (tokens/s one running request gets)
+    step_s: float  # one step: the least a request waits to run again
+    load_per_token: float  # s per context token to bring released KV back (reload, or recompute)
+    swap_per_token: float  # s per context token to release and bring back
+
+    @classmethod
+    def of(cls, eng: EngineView, dt: float) -> "Levels":
+        step_rate = eng.step_rate or 1.0 / dt  # unknown yet: one step per interval
+        if eng.transfer_tps:  # the host tier: write-back and reload
+            load = 1.0 / eng.transfer_tps
+            swap = 2.0 / eng.transfer_tps
+        else:  # no tier: released KV is recomputed
+            load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+        return cls(step_rate, 1.0 / step_rate, load, swap)
 
 
 @dataclass(slots=True)
@@ -178,12 +210,13 @@ class TokenFlowPolicy:
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
         room = self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng)
-        # The earliest arrivals get the room; the rest stay deferred.
-        newcomers = sorted(pool.waiting, key=attrgetter("arrival_time"))[:room]
+        # The earliest arrivals get the room; the rest are deferred.
+        by_arrival = sorted(pool.waiting, key=attrgetter("arrival_time"))
+        newcomers, deferred = by_arrival[:room], by_arrival[room:]
         candidates = pool.active + newcomers
         # sorted() is stable: equal keys keep the order of `candidates`.
         chosen = self.pack(sorted(candidates, key=self.rank_key_fn(eng)), eng)
-        return self.to_decision(pool, chosen, eng)
+        return self.to_decision(pool, chosen, deferred, eng)
 
     def needs_decision(self, q: QueueCounts) -> bool:
         return contended(q, self.cfg.kv_headroom)
@@ -214,25 +247,28 @@ class TokenFlowPolicy:
         It runs once per candidate per decision, so the constants are bound
         here and the clamps are comparisons, not min()/max() calls."""
         cfg = self.cfg
-        dt, mu, gamma, crit = cfg.dt, cfg.mu, cfg.gamma, cfg.critical_buffer_s
-        margin, high = cfg.switch_margin, EFFECTIVE_HIGH_FRACTION
-        speed_dt = (eng.step_rate or 1.0 / dt) * dt
-        # Seconds per context token to evict and reload (or to recompute).
-        if eng.transfer_tps:
-            io_per_token = 2.0 / eng.transfer_tps
-        else:
-            io_per_token = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+        dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
+        lv = Levels.of(eng, dt)
+        step, load, swap = lv.step_s, lv.load_per_token, lv.swap_per_token
+        speed_dt = lv.step_rate * dt
+        # A swap's extra work holds up the whole batch, so it costs the
+        # engine's tokens/s, not one request's.
+        capacity = eng.decode_tps or lv.step_rate
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
 
         def key(r: RequestView) -> float:
-            rate, b, phase = r.rate, r.buffer_tokens, r.phase
+            rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
-                # Mid-prefill requests never pause: the work done would be lost.
-                if not r.num_output or b < mu * rate * (r.num_tokens * io_per_token + dt):
+                # Mid-prefill requests never pause: the work done would be
+                # lost. The pause level: back in time (released, the worst
+                # case) for one more interval, plus the swap's cost.
+                swap_s = n * swap + step
+                if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
                     return b / rate - 2 * PINNED  # incumbents first among the pinned
-                bonus = margin
+                bonus = swap_s * capacity  # tokens the engine loses to the swap
             elif phase is paused:
-                if b < crit * rate:
+                back = step if r.kv_resident else n * load + step
+                if b < rate * mu * (back + dt):  # the resume level
                     return b / rate - PINNED
                 bonus = 0.0
             else:
@@ -268,8 +304,9 @@ class TokenFlowPolicy:
                 break
         return chosen
 
-    def to_decision(self, pool: Pool, chosen: list[RequestView], eng: EngineView) -> Decision:
-        d = Decision()
+    def to_decision(self, pool: Pool, chosen: list[RequestView], deferred: list[RequestView],
+                    eng: EngineView) -> Decision:
+        d = Decision(defer=[r.req_id for r in deferred])
         waiting = Phase.WAITING
         need = 0  # blocks the chosen must still get on the device
         for r in chosen:  # in priority order: vLLM preempts from the tail
@@ -288,8 +325,9 @@ class TokenFlowPolicy:
                     d.recompute.append(r.req_id)
         chosen_ids = set(d.run)
         chosen_ids.update(d.admit)
+        chosen_ids.update(d.defer)
         # The pool keeps the given order, which the unchosen keep too.
-        d.defer = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
+        d.wait = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
         losers = [r for r in pool.active if r.req_id not in chosen_ids]
         # Unchosen resident requests free KV only as far as the chosen need
         # it, largest buffers (in seconds of reading) first; the rest pause

@@ -90,6 +90,9 @@ class TokenFlowMixin:
         self.readers: dict[str, ReaderBuffer] = {}
         self.held: dict[str, Request] = {}  # paused, KV kept
         self.released: dict[str, Request] = {}  # paused, KV freed
+        # Waiting, beyond the working set: out of vLLM's queue until the next
+        # decision (a freed slot would admit them otherwise).
+        self.deferred: dict[str, Request] = {}
         self.meters = EngineMeters.new()
         self.tf_stats = SchedulerStats()
         self._next_decision = 0.0
@@ -163,6 +166,8 @@ class TokenFlowMixin:
                 self.running.append(req)
             elif (req := self.released.pop(req_id, None)) is not None:
                 self.waiting.prepend_request(req)
+            elif (req := self.deferred.pop(req_id, None)) is not None:
+                self.waiting.add_request(req)
         done = super().finish_requests(ids, finished_status)
         for req in done:
             self._forget(req.request_id)
@@ -172,7 +177,7 @@ class TokenFlowMixin:
         # Parked requests are unfinished: count them as waiting, or the
         # engine loop would go idle with paused work outstanding.
         running, waiting = super().get_request_counts()
-        return running, waiting + len(self.held) + len(self.released)
+        return running, waiting + len(self.held) + len(self.released) + len(self.deferred)
 
     # --- bookkeeping ------------------------------------------------------
     def _observe(self, req_id: str, now: float) -> None:
@@ -206,6 +211,7 @@ class TokenFlowMixin:
         self._seen_output.pop(req_id, None)
         self.held.pop(req_id, None)
         self.released.pop(req_id, None)
+        self.deferred.pop(req_id, None)
 
     def _measure_step(self, scheduler_output, now: float) -> None:
         """A step ran from when it was scheduled or when the previous step's
@@ -286,6 +292,7 @@ class TokenFlowMixin:
                            self.kv_cache_config.num_blocks, self.max_num_running_reqs)
 
     def _reschedule(self, now: float) -> None:
+        self._undefer()  # each decision weighs every waiting request afresh
         if not self.policy.needs_decision(self._queue_counts()):
             return  # nothing contends: vLLM admits every newcomer this step
         t0 = time.perf_counter()
@@ -339,6 +346,23 @@ class TokenFlowMixin:
             for req_id in d.recompute:  # the connector then reports no host hit for it
                 self._skip_reload(req_id)
         self._resume(d.order)
+        self._defer(d.defer)
+
+    def _defer(self, req_ids: list[str]) -> None:
+        """Take the working set's overflow out of `waiting` (in one pass)."""
+        if not req_ids:
+            return
+        queued = {r.request_id: r for r in self.waiting}
+        reqs = [req for i in req_ids if (req := queued.get(i)) is not None]
+        if reqs:
+            self.waiting.remove_requests(reqs)
+            self.deferred.update((req.request_id, req) for req in reqs)
+
+    def _undefer(self) -> None:
+        """Deferred requests back to the tail of `waiting`, in arrival order."""
+        for req in self.deferred.values():
+            self.waiting.add_request(req)
+        self.deferred.clear()
 
     def _pausable(self, req: Request) -> bool:
         """Running, and past its prompt (a prefill chunk may be in flight
@@ -400,7 +424,7 @@ class TokenFlowMixin:
         return {
             "policy": self.tf_config.policy,
             "running": len(self.running),
-            "waiting": len(self.waiting) + len(self.kv_holding_waiting),
+            "waiting": len(self.waiting) + len(self.kv_holding_waiting) + len(self.deferred),
             "paused_hold": len(self.held),
             "paused_release": len(self.released),
             "buffer_s_min": min(buffers, default=None),
