@@ -144,8 +144,8 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict]]:
-    """Drive one engine through the workload; returns readers, wall time, records."""
+def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict], dict | None]:
+    """Drive one engine through the workload; returns readers, wall time, records, scheduler stats."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
@@ -186,6 +186,7 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
                 readers[o.request_id].on_finish(now)
                 finished.add(o.request_id)
     wall = time.monotonic() - t0
+    stats = scheduler_stats(engine)
     del llm, engine
     gc.collect()
     records = [
@@ -194,7 +195,15 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
          "arrivals_s": r.arrivals}
         for rid, r in readers.items()
     ]
-    return list(readers.values()), wall, records
+    return list(readers.values()), wall, records, stats
+
+
+def scheduler_stats(engine) -> dict | None:
+    """TokenFlow's counters (pauses, resumes, recompute) from the in-process
+    engine core; None for vLLM's own scheduler."""
+    sched = engine.engine_core.engine_core.scheduler
+    stats = getattr(sched, "tf_stats", None)
+    return None if stats is None else asdict(stats)
 
 
 def calibrate(eng: EngineSettings, tokens: int = 256, passes: int = 3) -> dict:
@@ -265,8 +274,9 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     for name in schedulers:
         if name not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
-        readers, wall, records = run_one(name, wl, eng)
+        readers, wall, records, stats = run_one(name, wl, eng)
         results[name] = summarize(readers, wall, wl.output_tokens)
+        results[name]["scheduler_stats"] = stats
         all_records[name] = records
         with open(out / f"requests-{name}.jsonl", "w") as f:
             for rec in records:
