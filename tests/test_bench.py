@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.engines import ensure_model
 
@@ -69,3 +71,59 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert summary["ok"] and summary["checks"]["outputs_equal_stock"]
     assert summary["tokenflow"]["pauses_hold"] + summary["tokenflow"]["pauses_release"] > 0
     assert summary["tokenflow"]["async_scheduling"] is False
+
+
+VLLM_FIELDS = {"completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+               "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "p99_e2el_ms"}
+
+
+@pytest.mark.slow
+def test_bench_app_end_to_end_all_policies(tmp_path):
+    """`tokenflow bench-app`: each policy's app started from local.yaml (one
+    engine here, for time), a burst sized to 0.6x of the capacity measured
+    through the app, streamed over HTTP; one summary for all three."""
+    out = tmp_path / "bench-app"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenflow.cli", "bench-app", "--engines", "1", "--port", "8017",
+         "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
+         "--slo-ttft", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "calibrating" in r.stderr and "tokenflow: 100%" in r.stderr  # the progress bars
+    summary = json.loads((out / "summary.json").read_text())
+    wl = summary["workload"]
+    assert "client-side" in wl["timing"]
+    cal = wl["calibration"]
+    assert cal["decode_tps"] > 0 and cal["load"] == 0.6 and cal["failed"] == 0
+    assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))  # mean reading rate 25
+    n = wl["requests"]
+    assert set(summary["results"]) == {"fcfs", "andes", "tokenflow"}
+    for name, res in summary["results"].items():
+        assert (KEYS | VLLM_FIELDS) <= set(res), name
+        assert res["completed"] == n and res["failed"] == 0, name
+        assert res["total_output_tokens"] == 32 * n
+        assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"]
+        assert 0 <= res["slo_attainment"] <= 1
+        assert res["effective_throughput_tps"] <= res["throughput_tps"] + 1e-9
+        doc = yaml.safe_load((out / f"app-{name}.yaml").read_text())
+        assert doc["applications"][0]["args"]["tokenflow"]["policy"] == name
+        lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
+        assert len(lines) == n and all(x["ok"] and x["tokens"] == 32 and x["exact_counts"] for x in lines)
+    assert set(summary["ratios_tokenflow_vs_fcfs"]) >= {"ttft_p99", "effective_throughput", "throughput"}
+    for png in ("ttft_cdf.png", "throughput.png", "token_timelines.png", "buffer_occupancy.png"):
+        assert (out / png).stat().st_size > 1000
+    with socket.socket() as sock:  # the last app is gone
+        assert sock.connect_ex(("127.0.0.1", 8017)) != 0
+
+
+def test_bench_app_rejects_bad_arguments(tmp_path):
+    for args, msg in ((["--load", "-1"], "--load"), (["--rates", "fast"], "rate"),
+                      (["--config", str(tmp_path / "none.yaml")], "no such config"),
+                      (["--tokenflow", '{"policy": "fcfs"}'], "--tokenflow"),
+                      (["--model", "other"], "model_id"), (["--shape", "bursts", "--load", "0"], "--period")):
+        r = subprocess.run([sys.executable, "-m", "tokenflow.cli", "bench-app", "--out", str(tmp_path), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "error" in r.stderr and msg in r.stderr, (args, r.stderr)

@@ -71,6 +71,13 @@ def _cmd_soak(args) -> int:
     return _loadtest("soak").run(args)
 
 
+def _cmd_bench_app(args) -> int:
+    _loadtest("shapes")  # loadtest/ importable, as for loadtest
+    from tokenflow import bench_app
+
+    return bench_app.run(args)
+
+
 def _dashboards_module():
     # dashboards/ sits beside tokenflow/ in the checkout (not an installed package).
     import importlib.util
@@ -194,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM scheduling mode of every scheduler alike; auto: async on GPU, sync on CPU")
     c.add_argument("--no-plots", action="store_true")
     c.set_defaults(func=_cmd_bench)
+    ba = sub.add_parser("bench-app", help="the same comparison end to end: the served app started per policy, "
+                                          "streaming readers over HTTP")
+    _loadtest("shapes")
+    from tokenflow import bench_app
+
+    bench_app.add_arguments(ba)
+    ba.set_defaults(func=_cmd_bench_app)
     d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
     d.add_argument("action", choices=["generate", "push"])
     d.add_argument("--url", help="Grafana base URL, e.g. http://127.0.0.1:3000 (push)")
