@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import asdict
 
 import ray
 
@@ -24,6 +25,7 @@ from actors import kv_pool
 from actors.engine_state import EngineTracker
 from actors.ranking import EngineState, RouterSettings
 from actors.router import get_router
+from tokenflow.sched_state import SchedulerState
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,9 +46,9 @@ class EngineAgent:
         self._pool = None
         self._last_push = None
         self._tasks: list[asyncio.Task] = []
-        # async () -> dict: the TokenFlow scheduler's tokenflow_state(), or None
+        # async () -> SchedulerState | None: the TokenFlow scheduler's state
         self._scheduler_state = scheduler_state
-        self.sched: dict = {}
+        self.sched: SchedulerState | None = None
         self._sched_at = -1e9
         # tokenflow.metrics.EngineMetrics, or None: sampled every METRICS_INTERVAL_S
         self.metrics = metrics
@@ -69,37 +71,36 @@ class EngineAgent:
 
             self._tasks.append(loop.create_task(self._loop("metrics", self._sample, METRICS_INTERVAL_S)))
 
-    def _fresh_sched(self) -> dict:
+    def _fresh_sched(self) -> SchedulerState | None:
         # Older than a few pushes: the EngineCore is busy or stuck; go without.
-        return self.sched if time.monotonic() - self._sched_at < 5 * self.router_settings.push_interval_s else {}
+        return self.sched if time.monotonic() - self._sched_at < 5 * self.router_settings.push_interval_s else None
 
     def state(self) -> EngineState:
         self.seq += 1
         st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
                          seq=self.seq, sent_at=time.time(), **self.tracker.state())
         sched = self._fresh_sched()
-        if sched:
+        if sched is not None:
             # The scheduler's decode meter knows the engine's capacity better
             # than the rate this replica happened to deliver.
-            st.peak_tps = max(st.peak_tps, float(sched.get("decode_tps") or 0.0))
-            st.scheduler = {k: sched.get(k) for k in (
-                "policy", "running", "waiting", "paused_hold", "paused_release", "buffer_s_min",
-                "buffer_s_sum", "required_rate", "kv_free_blocks", "kv_total_blocks", "host_pool_blocks")}
+            st.peak_tps = max(st.peak_tps, float(sched.decode_tps or 0.0))
+            st.scheduler = sched.router_summary()
         return st
 
     def kv_counters(self) -> dict:
         """Usage and transfer counters for the node pool, from the scheduler's
         view of the host KV tier (kv_offload/); empty without one."""
         sched = self._fresh_sched()
-        out = dict(sched.get("offload") or {})
-        if "host_pool_blocks" in sched:
-            out["host_pool_blocks"] = sched["host_pool_blocks"]
+        if sched is None:
+            return {}
+        out = asdict(sched.offload) if sched.offload is not None else {}
+        out["host_pool_blocks"] = sched.host_pool_blocks
         return out
 
     async def _poll(self) -> bool:
-        self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0) or {}
+        self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0)
         self._sched_at = time.monotonic()
-        return bool(self.sched)  # {}: not a TokenFlow scheduler, nothing to poll
+        return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
 
     async def _sample(self) -> None:
         """Gauges, buffer occupancy and the scheduler's counters, for Prometheus."""

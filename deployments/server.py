@@ -34,6 +34,7 @@ from actors.engine_state import EngineTracker, tracked
 from actors.kv_pool import KVPoolSettings
 from actors.ranking import RouterSettings
 from tokenflow.config import TokenFlowConfig, parse_rate
+from tokenflow.sched_state import UTILITY, SchedulerState
 
 RATE_KEY = "consumption_rate"
 logger = logging.getLogger("ray.serve")
@@ -111,13 +112,13 @@ class TokenFlowLLMServer(LLMServer):
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
                                    self._scheduler_state, self._metrics)
 
-    async def _scheduler_state(self) -> dict:
-        """The TokenFlow scheduler's summary, via its EngineCore utility
-        (tokenflow/scheduler.py); {} under another scheduler."""
+    async def _scheduler_state(self) -> SchedulerState | None:
+        """The TokenFlow scheduler's state, via its EngineCore utility
+        (tokenflow/core_utility.py); None under another scheduler."""
         core = getattr(getattr(self.engine, "_engine_client", None), "engine_core", None)
         if core is None:
-            return {}
-        return await core.call_utility_async("tokenflow_state")
+            return None
+        return SchedulerState.from_wire(await core.call_utility_async(UTILITY))
 
     def _track(self, request, gen, arrival: float):
         if not hasattr(gen, "__aiter__"):

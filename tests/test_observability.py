@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from actors.engine_state import EngineTracker, tracked
 from tests.engines import ROOT
 from tokenflow import metrics as tfm
 from tokenflow.buffer import ReaderBuffer
+from tokenflow.sched_state import SchedulerState, SchedulerStats
 
 PROMETHEUS = "/usr/bin/prometheus"
 RAY_TEMP = Path("/tmp/ray")
@@ -118,17 +120,20 @@ def _fake_engine_metrics():
 
 def test_scheduler_totals_become_counter_increments_and_gauges():
     em = _fake_engine_metrics()
-    state = {"running": 3, "waiting": 1, "paused_hold": 2, "paused_release": 0, "kv_total_blocks": 100,
-             "kv_free_blocks": 40, "stats": {"pauses_hold": 4, "pauses_release": 1, "pauses_skipped": 2, "resumes": 3,
-                                             "fallbacks": 0, "tokens_recomputed": 16},
-             "offload": {"blocks_stored": 10, "blocks_loaded": 2, "bytes_stored": 1000, "bytes_loaded": 200,
-                         "evictions": 3, "capacity_blocks": 64}}
-    em.sample_scheduler(state)
-    later = json.loads(json.dumps(state))
+    # As it arrives from the EngineCore utility: a dict, rebuilt typed.
+    wire = {"policy": "tokenflow", "running": 3, "waiting": 1, "paused_hold": 2, "paused_release": 0,
+            "buffer_s_min": 0.5, "buffer_s_sum": 4.0, "buffer_s": [0.5, 1.5, 2.0], "required_rate": 60.0,
+            "decode_tps": 900.0, "kv_total_blocks": 100, "kv_free_blocks": 40, "host_pool_blocks": 64,
+            "stats": asdict(SchedulerStats(pauses_hold=4, pauses_release=1, pauses_skipped=2, resumes=3,
+                                           tokens_recomputed=16)),
+            "offload": {"blocks_stored": 10, "blocks_loaded": 2, "bytes_stored": 1000, "bytes_loaded": 200,
+                        "evictions": 3, "lookup_hits": 1, "lookup_misses": 0, "capacity_blocks": 64}}
+    em.sample_scheduler(SchedulerState.from_wire(wire))
+    later = json.loads(json.dumps(wire))  # through a serializer, as over vLLM's channel
     later["stats"]["pauses_hold"] = 6
     later["offload"]["blocks_loaded"] = 5
-    em.sample_scheduler(later)
-    em.sample_scheduler(later)  # nothing new: no increments
+    em.sample_scheduler(SchedulerState.from_wire(later))
+    em.sample_scheduler(SchedulerState.from_wire(later))  # nothing new: no increments
     m = em.m
     assert m.of("inc", "tokenflow_pauses", kind="hold") == [4, 2]
     assert m.of("inc", "tokenflow_pauses", kind="release") == [1]
@@ -141,7 +146,8 @@ def test_scheduler_totals_become_counter_increments_and_gauges():
     assert m.of("set", "tokenflow_kv_pool_blocks", tier="host", kind="used")[-1] == 7
     assert m.of("set", "tokenflow_kv_pool_blocks", tier="host", kind="capacity")[-1] == 64
     before = len(m.calls)
-    em.sample_scheduler({})  # another scheduler: nothing to export
+    assert SchedulerState.from_wire({}) is None  # another scheduler answers {}
+    em.sample_scheduler(None)  # nothing to export
     assert len(m.calls) == before
 
 

@@ -18,7 +18,7 @@ the same id the router uses, and the `ReplicaId` label on vLLM's
   TTFT, TBT, stall time, effective and raw tokens, finished requests;
 - sampled every METRICS_INTERVAL_S (actors/engine_agent.py): buffer
   occupancy of running streams, stream counts, and the TokenFlow scheduler's
-  state (tokenflow_state() in tokenflow/scheduler.py). The scheduler's
+  state (SchedulerState, tokenflow/sched_state.py). The scheduler's
   counters are totals since the engine started; they are exported as the
   increase since the last sample (CumulativeDeltas).
 
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from tokenflow.sched_state import SchedulerState
 
 PREFIX = "ray_"  # added by Ray's metrics agent
 METRICS_INTERVAL_S = 0.25  # sampling period of gauges and buffer occupancy
@@ -112,10 +114,10 @@ SPECS = (
     Spec("tokenflow_router_decisions", "counter",
          "Routing decisions: slack (ranked by buffer slack) or fallback (Serve's power of two).",
          tags=ROUTER_TAGS + ("outcome",)),
-    Spec("tokenflow_router_choose_ms", "histogram", "Time inside choose_replicas (ms).",
-         tags=ROUTER_TAGS, buckets=(0.01, 0.03, 0.1, 0.3, 1, 2, 5, 10, 50)),
-    Spec("tokenflow_router_state_age_ms", "histogram", "Age of the chosen engine's state at decision (ms).",
-         tags=ROUTER_TAGS, buckets=(10, 25, 50, 100, 200, 300, 500, 1000, 2000)),
+    Spec("tokenflow_router_choose_seconds", "histogram", "Time inside choose_replicas (s).",
+         tags=ROUTER_TAGS, buckets=(1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.002, 0.005, 0.01, 0.05)),
+    Spec("tokenflow_router_state_age_seconds", "histogram", "Age of the chosen engine's state at decision (s).",
+         tags=ROUTER_TAGS, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)),
 )
 BY_NAME = {s.name: s for s in SPECS}
 
@@ -239,36 +241,34 @@ class EngineMetrics:
         for key in ("running", "waiting", "stalled"):
             self.m.set("tokenflow_streams", state.get(key, 0), state=key)
 
-    def sample_scheduler(self, sched: dict) -> None:
-        """Export the scheduler's tokenflow_state() (empty dict: not TokenFlow's)."""
-        if not sched:
+    def sample_scheduler(self, sched: SchedulerState | None) -> None:
+        """Export the scheduler's state (None: not TokenFlow's scheduler)."""
+        if sched is None:
             return
         for key in ("running", "waiting", "paused_hold", "paused_release"):
-            self.m.set("tokenflow_scheduler_requests", sched.get(key), state=key)
-        stats = sched.get("stats") or {}
-        d = self.deltas.delta
-        self.m.inc("tokenflow_pauses", d("pauses_hold", stats.get("pauses_hold")), kind="hold")
-        self.m.inc("tokenflow_pauses", d("pauses_release", stats.get("pauses_release")), kind="release")
+            self.m.set("tokenflow_scheduler_requests", getattr(sched, key), state=key)
+        stats, d = sched.stats, self.deltas.delta
+        self.m.inc("tokenflow_pauses", d("pauses_hold", stats.pauses_hold), kind="hold")
+        self.m.inc("tokenflow_pauses", d("pauses_release", stats.pauses_release), kind="release")
         for key, name in (("pauses_skipped", "tokenflow_pauses_skipped"),
                           ("resumes", "tokenflow_resumes"), ("fallbacks", "tokenflow_fallbacks"),
                           ("tokens_recomputed", "tokenflow_tokens_recomputed")):
-            self.m.inc(name, d(key, stats.get(key)))
-        total, free = sched.get("kv_total_blocks"), sched.get("kv_free_blocks")
+            self.m.inc(name, d(key, getattr(stats, key)))
+        total, free = sched.kv_total_blocks, sched.kv_free_blocks
         self.m.set("tokenflow_kv_pool_blocks", total, tier="device", kind="capacity")
-        if total is not None and free is not None:
-            self.m.set("tokenflow_kv_pool_blocks", total - free, tier="device", kind="used")
-        off = sched.get("offload")
-        if not off:
+        self.m.set("tokenflow_kv_pool_blocks", total - free, tier="device", kind="used")
+        off = sched.offload
+        if off is None:
             return
         for direction in ("stored", "loaded"):
-            self.m.inc("tokenflow_kv_offload_blocks", d(f"blocks_{direction}", off.get(f"blocks_{direction}")),
+            self.m.inc("tokenflow_kv_offload_blocks", d(f"blocks_{direction}", getattr(off, f"blocks_{direction}")),
                        direction=direction)
-            self.m.inc("tokenflow_kv_offload_bytes", d(f"bytes_{direction}", off.get(f"bytes_{direction}")),
+            self.m.inc("tokenflow_kv_offload_bytes", d(f"bytes_{direction}", getattr(off, f"bytes_{direction}")),
                        direction=direction)
-        self.m.inc("tokenflow_kv_offload_evictions", d("evictions", off.get("evictions")))
-        self.m.set("tokenflow_kv_pool_blocks", off.get("capacity_blocks"), tier="host", kind="capacity")
+        self.m.inc("tokenflow_kv_offload_evictions", d("evictions", off.evictions))
+        self.m.set("tokenflow_kv_pool_blocks", off.capacity_blocks, tier="host", kind="capacity")
         # Every stored row stays until evicted (only ready rows are evicted).
-        used = (off.get("blocks_stored") or 0) - (off.get("evictions") or 0)
+        used = off.blocks_stored - off.evictions
         self.m.set("tokenflow_kv_pool_blocks", max(0, used), tier="host", kind="used")
 
 
@@ -283,6 +283,6 @@ class RouterMetrics:
 
     def on_decision(self, seconds: float, chosen: str | None, state_age_s: float | None) -> None:
         self.m.inc("tokenflow_router_decisions", 1, outcome="fallback" if chosen is None else "slack")
-        self.m.observe("tokenflow_router_choose_ms", 1000 * seconds)
+        self.m.observe("tokenflow_router_choose_seconds", seconds)
         if state_age_s is not None:
-            self.m.observe("tokenflow_router_state_age_ms", 1000 * state_age_s)
+            self.m.observe("tokenflow_router_state_age_seconds", state_age_s)

@@ -34,39 +34,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.engine.core import EngineCore
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from tokenflow import core_utility  # noqa: F401  (the replica's way in: an EngineCore utility)
 from tokenflow.andes import AndesPolicy
 from tokenflow.buffer import ReaderBuffer
 from tokenflow.config import TokenFlowConfig, parse_rate
 from tokenflow.meters import EngineMeters
 from tokenflow.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
+from tokenflow.sched_state import HostTierCounters, SchedulerState, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    decisions: int = 0  # policy calls that changed something
-    pauses_hold: int = 0
-    pauses_release: int = 0
-    # Pauses decided but not applied: the request had finished, left
-    # `running`, or was mid-prefill by the time the decision was applied.
-    pauses_skipped: int = 0
-    resumes: int = 0
-    resumes_delayed: int = 0  # resumes put off a step: a step of the request was in flight
-    pauses_in_flight: int = 0  # pauses applied while a step of the request was in flight
-    fallbacks: int = 0
-    decision_seconds: float = 0.0  # total time inside the policy
-    max_running: int = 0  # most requests ever in `running` (<= max_num_seqs)
-    max_blocks_used: int = 0
-    resumed_after_release: int = 0  # released requests that came back
-    tokens_recomputed: int = 0  # KV recomputed on those resumes (not reloaded or cached)
 
 
 def make_policy(cfg: TokenFlowConfig):
@@ -410,8 +391,8 @@ class TokenFlowMixin:
         self.running.sort(key=lambda r: rank.get(r.request_id, -1))
 
 
-    def tokenflow_state(self) -> dict:
-        """What the engine replica reads (router push, metrics): plain numbers."""
+    def scheduler_state(self) -> SchedulerState:
+        """What the engine replica reads (router push, metrics)."""
         now = self.clock()
         running = [r for r in self.running if r.request_id in self.readers]
         buffers = [self.readers[r.request_id].buffer_seconds(now) for r in running
@@ -419,42 +400,30 @@ class TokenFlowMixin:
         from kv_offload.connector import host_pool_of
 
         pool_mgr = host_pool_of(self.connector) if self.connector is not None else None
-        counters = pool_mgr.counters if pool_mgr is not None else None
+        c = pool_mgr.counters if pool_mgr is not None else None
         kv = self.kv_cache_manager.block_pool
-        return {
-            "policy": self.tf_config.policy,
-            "running": len(self.running),
-            "waiting": len(self.waiting) + len(self.kv_holding_waiting) + len(self.deferred),
-            "paused_hold": len(self.held),
-            "paused_release": len(self.released),
-            "buffer_s_min": min(buffers, default=None),
-            "buffer_s_sum": sum(buffers),
-            "buffer_s": buffers,
-            "required_rate": sum(self.readers[r.request_id].rate for r in running)
-            + sum(self.readers[i].rate for i in (*self.held, *self.released) if i in self.readers),
-            "decode_tps": self.meters.decode_capacity,
-            "kv_free_blocks": kv.get_num_free_blocks(),
-            "kv_total_blocks": self.kv_cache_config.num_blocks,
-            "host_pool_blocks": self._host_pool_size() if self._host_pool_size else 0,
-            "stats": asdict(self.tf_stats),
-            "offload": None if counters is None else {
-                "blocks_stored": counters.blocks_stored, "blocks_loaded": counters.blocks_loaded,
-                "bytes_stored": counters.bytes_stored, "bytes_loaded": counters.bytes_loaded,
-                "evictions": counters.evictions, "lookup_hits": counters.lookup_hits,
-                "lookup_misses": counters.lookup_misses, "capacity_blocks": counters.capacity_blocks,
-            },
-        }
-
-
-def _engine_core_tokenflow_state(engine_core) -> dict:
-    """EngineCore utility: `await engine_client.engine_core.call_utility_async(
-    "tokenflow_state")` from the replica reaches the scheduler in the
-    EngineCore process. vLLM looks utility methods up by name on EngineCore."""
-    sched = engine_core.scheduler
-    return sched.tokenflow_state() if isinstance(sched, TokenFlowMixin) else {}
-
-
-EngineCore.tokenflow_state = _engine_core_tokenflow_state
+        parked = (*self.held, *self.released)
+        return SchedulerState(
+            policy=self.tf_config.policy,
+            running=len(self.running),
+            waiting=len(self.waiting) + len(self.kv_holding_waiting) + len(self.deferred),
+            paused_hold=len(self.held),
+            paused_release=len(self.released),
+            buffer_s_min=min(buffers, default=None),
+            buffer_s_sum=sum(buffers),
+            buffer_s=buffers,
+            required_rate=sum(self.readers[r.request_id].rate for r in running)
+            + sum(self.readers[i].rate for i in parked if i in self.readers),
+            decode_tps=self.meters.decode_capacity,
+            kv_free_blocks=kv.get_num_free_blocks(),
+            kv_total_blocks=self.kv_cache_config.num_blocks,
+            host_pool_blocks=self._host_pool_size() if self._host_pool_size else 0,
+            stats=SchedulerStats(**vars(self.tf_stats)),  # a copy: the totals go on changing
+            offload=None if c is None else HostTierCounters(
+                blocks_stored=c.blocks_stored, blocks_loaded=c.blocks_loaded, bytes_stored=c.bytes_stored,
+                bytes_loaded=c.bytes_loaded, evictions=c.evictions, lookup_hits=c.lookup_hits,
+                lookup_misses=c.lookup_misses, capacity_blocks=c.capacity_blocks),
+        )
 
 
 class TokenFlowScheduler(TokenFlowMixin, Scheduler):
