@@ -117,10 +117,10 @@ def overview() -> dict:
             target(f'sum by (outcome) (rate({X("tokenflow_router_decisions")}{RI}))', "{{outcome}}")], "ops",
             "Request router in the ingress: engines ranked by buffer slack, or Serve's fallback."),
         panel("Routing latency (P99)", [
-            target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_choose_ms", "bucket")}{RI})))',
+            target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_choose_seconds", "bucket")}{RI})))',
                    "choose_replicas"),
-            target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_state_age_ms", "bucket")}{RI})))',
-                   "age of the chosen engine's state")], "ms"),
+            target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_state_age_seconds", "bucket")}{RI})))',
+                   "age of the chosen engine's state")], "s"),
     ])
 
 
