@@ -232,6 +232,11 @@ class RoutingTable:
                     out[eid] = len(q)
         return out
 
+    def queue_len(self, engine_id: str, now: float | None = None) -> int:
+        """Requests the engine holds, as its last state and our sends since say."""
+        st = self._states.get(engine_id)
+        return (st.load if st is not None else 0) + self.pending(now).get(engine_id, 0)
+
     def age(self, engine_id: str, now: float | None = None) -> float | None:
         born = self._born.get(engine_id)
         if born is None:

@@ -99,6 +99,13 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         # One rank per engine, best first: Serve tries the next one only if
         # the previous one refuses (its queue is full).
         self._tf_record(table, start, order[0])
+        # Serve picks among a rank by queue length, from its cache or else by
+        # probing the replica with a 0.1-1 s deadline. Busy replicas miss it
+        # (on 2 busy cores requests sat in the router for seconds, retrying),
+        # so give Serve the counts the engines' states already hold.
+        cache = self.replica_queue_len_cache
+        for e in order:
+            cache.update(by_id[e].replica_id, table.queue_len(e))
         return [[by_id[e]] for e in order]
 
     def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:

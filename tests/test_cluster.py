@@ -142,9 +142,14 @@ def test_sent_requests_count_until_a_push_reflects_them():
     t.on_sent(t.rank(["a", "b"])[0])
     t.on_sent(t.rank(["a", "b"])[0])
     assert t.pending() == {"a": 1, "b": 3}
+    # What the router tells Serve's queue-length cache (instead of Serve
+    # probing a busy replica): the engine's own count plus our sends since.
+    assert t.queue_len("a") == 2 + 1 and t.queue_len("b") == 0 + 3
+    assert t.queue_len("unknown") == 0
     # Sends that no push ever reflects (e.g. failed in transit) expire.
     clock[0] += 2.5
     assert t.pending() == {}
+    assert t.queue_len("b") == 0
 
 
 def test_view_and_latency_summary():

@@ -120,7 +120,12 @@ class ServedApp:
         self.shm_before = launcher.shm_names()
         self.log = open(self.log_path, "wb")
         self.proc = launcher.start(str(self.config_path), log=self.log)
-        if not launcher.wait_until_ready(self.base_url, self.model, self.ready_timeout, self.proc):
+        try:
+            ready = launcher.wait_until_ready(self.base_url, self.model, self.ready_timeout, self.proc)
+        except BaseException:  # Ctrl-C while it starts: the app goes too
+            self.__exit__(None, None, None)
+            raise
+        if not ready:
             self.__exit__(None, None, None)
             raise RuntimeError(f"the app did not answer within {self.ready_timeout:.0f} s; see {self.log_path}")
         return self
