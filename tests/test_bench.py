@@ -107,6 +107,8 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
         assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"]
         assert 0 <= res["slo_attainment"] <= 1
         assert res["effective_throughput_tps"] <= res["throughput_tps"] + 1e-9
+        engines = res["scheduler_stats"]  # the scheduler's totals, per engine, from the app itself
+        assert len(engines) == 1 and {"pauses_hold", "pauses_release", "resumes"} <= set(*engines.values())
         doc = yaml.safe_load((out / f"app-{name}.yaml").read_text())
         assert doc["applications"][0]["args"]["tokenflow"]["policy"] == name
         lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]

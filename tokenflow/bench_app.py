@@ -157,6 +157,19 @@ class Progress:
         self.bar.close()
 
 
+def engine_counters(app: ServedApp) -> dict | None:
+    """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
+    tokens), from GET /v1/tokenflow/engines; None if it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{app.base_url}/v1/tokenflow/engines", timeout=10) as resp:
+            view = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    return {e["engine_id"]: (e.get("scheduler") or {}).get("stats") for e in view.get("engines", [])}
+
+
 def drive(app: ServedApp, wl: AppWorkload, label: str, timeout: float) -> list[dict]:
     sched = wl.schedule()
     bodies = [http_reader.chat_body(app.model, f"{wl.prompt} (reader {i})", wl.max_tokens, rate)
@@ -219,6 +232,10 @@ def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: 
         "output_throughput": res["tokens"] / wall,
     })
     res["total_token_throughput"] = (res["total_input_tokens"] + res["tokens"]) / wall
+    # How late the client sent against the schedule: its own health. On a
+    # machine where the app takes every core, the client's event loop lags,
+    # and every time it takes (sends, first tokens) lags with it.
+    res["client_send_lag_p99_s"] = percentile([r["sent_s"] - r["scheduled_s"] for r in records], 0.99)
     res.update(_ms_stats([r["ttft_s"] for r in full], "ttft"))
     res.update(_ms_stats([(r["total_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in full if r["tokens"] > 1], "tpot"))
     res.update(_ms_stats([x for r in full for x in r["tbt_s"]], "itl"))
@@ -271,7 +288,11 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
             t0 = time.monotonic()
             records[policy] = drive(app, wl, policy, timeout)
             served[policy] = {"config": path.name, "run_s": time.monotonic() - t0}
+            time.sleep(0.5)  # the engines' last pushes
+            counters = engine_counters(app)
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
+        # Totals since the app started, the calibration's steps included.
+        results[policy]["scheduler_stats"] = counters
         with open(out / f"requests-{policy}.jsonl", "w") as f:
             for rec in records[policy]:
                 f.write(json.dumps(rec) + "\n")

@@ -70,9 +70,11 @@ class SchedulerState:
     stats: SchedulerStats
     offload: HostTierCounters | None  # None without a host tier
 
-    # Fields the router's ranking reads, pushed with every engine state.
+    # Fields pushed with every engine state: what the router's ranking reads,
+    # and the totals GET /v1/tokenflow/engines shows (benches record them).
     ROUTER_FIELDS = ("policy", "running", "waiting", "paused_hold", "paused_release", "buffer_s_min",
-                     "buffer_s_sum", "required_rate", "kv_free_blocks", "kv_total_blocks", "host_pool_blocks")
+                     "buffer_s_sum", "required_rate", "kv_free_blocks", "kv_total_blocks", "host_pool_blocks",
+                     "stats")
 
     def to_wire(self) -> dict:
         return asdict(self)
@@ -87,7 +89,10 @@ class SchedulerState:
                       "offload": HostTierCounters(**offload) if offload else None})
 
     def router_summary(self) -> dict:
-        return {name: getattr(self, name) for name in self.ROUTER_FIELDS}
+        """Plain values (it goes out as JSON too)."""
+        out = {name: getattr(self, name) for name in self.ROUTER_FIELDS}
+        out["stats"] = asdict(self.stats)
+        return out
 
 
 assert {f.name for f in fields(SchedulerState)} >= set(SchedulerState.ROUTER_FIELDS)
