@@ -345,6 +345,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    launcher.stop_on_signals()  # the app under test stops with us
     if args.load < 0:
         raise ValueError(f"--load must be >= 0, got {args.load}")
     if args.engines is not None and args.engines < 1:

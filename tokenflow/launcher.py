@@ -147,11 +147,16 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float = 600.0) -> int:
-    # Ctrl-C and SIGTERM both stop the app, even when this process was
-    # started with SIGINT ignored (a background job of a script).
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt, so the caller stops what
+    it started, even when this process was started with SIGINT ignored (a
+    background job of a script)."""
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+def serve(config: str, host: str = "127.0.0.1", port: int = 8000, timeout: float = 600.0) -> int:
+    stop_on_signals()
     settings = app_settings(config)
     base = f"http://{settings['host']}:{settings['port']}"
     shm_before = shm_names()
