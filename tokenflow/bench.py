@@ -238,6 +238,19 @@ def calibrate(eng: EngineSettings, tokens: int = 256, passes: int = 3) -> dict:
                       "best pass"}
 
 
+# ratio name -> the result field it divides (tokenflow's over fcfs's)
+RATIO_KEYS = {"ttft_p99": "ttft_p99_s", "effective_throughput": "effective_throughput_tps",
+              "throughput": "throughput_tps"}
+
+
+def ratios(results: dict, keys: dict = RATIO_KEYS) -> dict | None:
+    """TokenFlow's figures over fcfs's, from one run; None unless both ran."""
+    if "fcfs" not in results or "tokenflow" not in results:
+        return None
+    f, t = results["fcfs"], results["tokenflow"]
+    return {name: t[k] / f[k] if f.get(k) and t.get(k) is not None else None for name, k in keys.items()}
+
+
 def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
     done = [r for r in readers if r.finished and r.delivered == expected]
     ttfts = [r.ttft for r in readers if r.ttft is not None]
@@ -288,14 +301,8 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
                      "calibration": calibration},
         "results": results,
     }
-    if "fcfs" in results and "tokenflow" in results:
-        f, t = results["fcfs"], results["tokenflow"]
-        summary["ratios_tokenflow_vs_fcfs"] = {
-            "ttft_p99": t["ttft_p99_s"] / f["ttft_p99_s"] if f["ttft_p99_s"] else None,
-            "effective_throughput": t["effective_throughput_tps"] / f["effective_throughput_tps"]
-            if f["effective_throughput_tps"] else None,
-            "throughput": t["throughput_tps"] / f["throughput_tps"] if f["throughput_tps"] else None,
-        }
+    if (r := ratios(results)) is not None:
+        summary["ratios_tokenflow_vs_fcfs"] = r
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if plots:
         from tokenflow.bench_plots import write_plots

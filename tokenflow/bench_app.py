@@ -35,7 +35,7 @@ from loadtest import http_reader
 from loadtest.runner import summarize as summarize_client
 from loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, parse_rates
 from tokenflow import launcher
-from tokenflow.bench import percentile
+from tokenflow.bench import RATIO_KEYS, percentile, ratios
 
 POLICIES = ("fcfs", "andes", "tokenflow")
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,18 +243,6 @@ def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: 
     return res
 
 
-def ratios(results: dict) -> dict | None:
-    if "fcfs" not in results or "tokenflow" not in results:
-        return None
-    f, t = results["fcfs"], results["tokenflow"]
-
-    def ratio(key):
-        return t[key] / f[key] if f.get(key) and t.get(key) is not None else None
-
-    return {"ttft_p99": ratio("ttft_p99_s"), "effective_throughput": ratio("effective_throughput_tps"),
-            "throughput": ratio("throughput_tps"), "request_goodput": ratio("request_goodput")}
-
-
 def plot_records(records: list[dict]) -> list[dict]:
     """The fields `tokenflow bench`'s plots read."""
     return [{"id": r["id"], "rate": r["rate"], "arrival_s": r["sent_s"], "ttft_s": r["ttft_s"],
@@ -304,7 +292,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
                                "from the served app (ingress, router, engines)",
                      "calibration": calibration, "apps": served},
         "results": results,
-        "ratios_tokenflow_vs_fcfs": ratios(results),
+        "ratios_tokenflow_vs_fcfs": ratios(results, {**RATIO_KEYS, "request_goodput": "request_goodput"}),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if plots:

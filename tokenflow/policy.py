@@ -115,9 +115,13 @@ class Levels:
     """The measured costs the pause and resume levels are made of."""
 
     step_rate: float  # decode steps/s (tokens/s one running request gets)
-    step_s: float  # one step: the least a request waits to run again
     load_per_token: float  # s per context token to bring released KV back (reload, or recompute)
     swap_per_token: float  # s per context token to release and bring back
+
+    @property
+    def step_s(self) -> float:
+        """One step: the least a request waits to run again."""
+        return 1.0 / self.step_rate
 
     @classmethod
     def of(cls, eng: EngineView, dt: float) -> "Levels":
@@ -127,7 +131,7 @@ class Levels:
             swap = 2.0 / eng.transfer_tps
         else:  # no tier: released KV is recomputed
             load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
-        return cls(step_rate, 1.0 / step_rate, load, swap)
+        return cls(step_rate, load, swap)
 
 
 @dataclass(slots=True)
