@@ -87,7 +87,7 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "tokenflow.cli", "bench-app", "--engines", "1", "--port", "8017",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
-         "--slo-ttft", "5", "--out", str(out)],
+         "--slo-ttft", "5", "--app-nice", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -95,6 +95,8 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     wl = summary["workload"]
     assert "client-side" in wl["timing"]
+    # the app under test ran below the client's CPU priority
+    assert wl["app_nice"] == 5 and all(a["niceness"] == 5 for a in wl["apps"].values())
     cal = wl["calibration"]
     assert cal["decode_tps"] > 0 and cal["load"] == 0.6 and cal["failed"] == 0
     assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))  # mean reading rate 25
@@ -124,7 +126,7 @@ def test_bench_app_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--load", "-1"], "--load"), (["--rates", "fast"], "rate"),
                       (["--config", str(tmp_path / "none.yaml")], "no such config"),
                       (["--tokenflow", '{"policy": "fcfs"}'], "--tokenflow"),
-                      (["--model", "other"], "model_id"), (["--shape", "bursts", "--load", "0"], "--period")):
+                      (["--model", "other"], "model_id"), (["--app-nice", "30"], "--app-nice"), (["--shape", "bursts", "--load", "0"], "--period")):
         r = subprocess.run([sys.executable, "-m", "tokenflow.cli", "bench-app", "--out", str(tmp_path), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)

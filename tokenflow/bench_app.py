@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import socket
 import statistics
 import sys
@@ -108,8 +109,9 @@ def port_free(host: str, port: int) -> bool:
 class ServedApp:
     """`serve run` of one config, from start to a clean stop (context manager)."""
 
-    def __init__(self, config_path: Path, log_path: Path, ready_timeout: float):
+    def __init__(self, config_path: Path, log_path: Path, ready_timeout: float, niceness: int = 0):
         self.config_path, self.log_path, self.ready_timeout = config_path, log_path, ready_timeout
+        self.niceness = niceness
         s = launcher.app_settings(str(config_path))
         self.base_url, self.model = f"http://{s['host']}:{s['port']}", s["model"]
         self.host, self.port = s["host"], s["port"]
@@ -119,7 +121,7 @@ class ServedApp:
             raise RuntimeError(f"something already listens at {self.base_url}; stop it or pass --port")
         self.shm_before = launcher.shm_names()
         self.log = open(self.log_path, "wb")
-        self.proc = launcher.start(str(self.config_path), log=self.log)
+        self.proc = launcher.start(str(self.config_path), log=self.log, niceness=self.niceness)
         try:
             ready = launcher.wait_until_ready(self.base_url, self.model, self.ready_timeout, self.proc)
         except BaseException:  # Ctrl-C while it starts: the app goes too
@@ -254,7 +256,7 @@ def plot_records(records: list[dict]) -> list[dict]:
 def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES, *, port: int | None = None,
                   engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
                   slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
-                  calibration_tokens: int = 256, plots: bool = True) -> dict:
+                  calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0) -> dict:
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     config_path = Path(config)
@@ -266,7 +268,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
         doc = app_config(config_path, policy, port, MAX_REQUESTS, engines, tokenflow or {})
         path = out / f"app-{policy}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        with ServedApp(path, out / f"serve-{policy}.log", ready_timeout) as app:
+        with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
             if wl.load and calibration is None:
                 calibration = calibrate(app, slots(doc), calibration_tokens, wl.prompt, timeout)
                 calibration.update(load=wl.load, measured_with=policy)
@@ -275,7 +277,9 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
                                   "arrival_rate": wl.arrival_rate}), flush=True)
             t0 = time.monotonic()
             records[policy] = drive(app, wl, policy, timeout)
-            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0}
+            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0,
+                              # as the OS reports it for the running app, relative to ours
+                              "niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0)}
             time.sleep(0.5)  # the engines' last pushes
             counters = engine_counters(app)
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
@@ -288,6 +292,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
             ("mean_", "median_", "std_", "p90_"))}}), flush=True)
     summary = {
         "workload": {**wl.__dict__, "requests": wl.requests, "config": str(config), "engines": engines,
+                     "app_nice": app_nice,
                      "timing": "client-side: token times taken by the bench's HTTP client as SSE lines arrive "
                                "from the served app (ingress, router, engines)",
                      "calibration": calibration, "apps": served},
@@ -326,6 +331,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--calibration-tokens", type=int, default=256)
     parser.add_argument("--ready-timeout", type=_positive_float, default=600.0,
                         help="seconds each app may take to answer its first completion")
+    parser.add_argument("--app-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
+                        help="run the app under test this much below the client's CPU priority, so that on "
+                             "a machine without cores of its own for the client, the client does not starve "
+                             "(0: equal)")
     parser.add_argument("--out", default="out/bench-app")
     parser.add_argument("--no-plots", action="store_true")
     # A bench's answers are long and may queue behind a whole burst.
@@ -353,7 +362,8 @@ def run(args) -> int:
         summary = run_bench_app(args.out, args.config, wl, args.policies, port=args.port, engines=args.engines,
                                 tokenflow=tokenflow, slo_ttft=args.slo_ttft, slo_stall=args.slo_stall,
                                 timeout=args.request_timeout, ready_timeout=args.ready_timeout,
-                                calibration_tokens=args.calibration_tokens, plots=not args.no_plots)
+                                calibration_tokens=args.calibration_tokens, plots=not args.no_plots,
+                                app_nice=args.app_nice)
     except RuntimeError as e:
         print(f"tokenflow bench-app: error: {e}", file=sys.stderr)
         return 1

@@ -64,12 +64,18 @@ def wait_until_ready(base_url: str, model: str, timeout: float, proc: subprocess
     return False
 
 
-def _restore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _child_setup(niceness: int):
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if niceness:
+            os.nice(niceness)  # Ray's raylet and workers inherit it
+    return setup
 
 
-def start(config: str, log=None) -> subprocess.Popen:
-    """Start `serve run CONFIG` in its own process group."""
+def start(config: str, log=None, niceness: int = 0) -> subprocess.Popen:
+    """Start `serve run CONFIG` in its own process group, `niceness` below
+    the caller's CPU priority (a bench's client must not starve for CPU
+    behind the app it measures)."""
     serve_bin = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
     if serve_bin is None:
         raise FileNotFoundError("the `serve` command (ray[serve]) is not installed")
@@ -81,7 +87,7 @@ def start(config: str, log=None) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT if log is not None else None,
         start_new_session=True,
-        preexec_fn=_restore_sigint,
+        preexec_fn=_child_setup(niceness),
         env=env,
     )
 
