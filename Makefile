@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 MODEL ?= models/tiny-llama
-CONFIG ?= deployments/configs/local.yaml
+CONFIG ?= configs/local.yaml
 PYTEST_ARGS ?=
 
 PROMETHEUS ?= /usr/bin/prometheus

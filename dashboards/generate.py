@@ -4,7 +4,7 @@
     python dashboards/generate.py --check   # exit 1 if a checked-in file is stale
     tokenflow dashboards generate / push    # the same, and upload to a Grafana
 
-Every query names metrics through tokenflow/metrics.py (`exported()`), so a
+Every query names metrics through tokenflow/serve/metrics.py (`exported()`), so a
 renamed metric cannot leave a dashboard behind. Variables: `datasource` (any
 Prometheus), `model`, and on the drill-down `engine`.
 tests/test_observability.py runs every panel's query against a real
@@ -22,12 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tokenflow.metrics import exported as X  # noqa: E402
+from tokenflow.serve.metrics import exported as X  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent
 DS = {"type": "prometheus", "uid": "${datasource}"}
-M = 'model=~"$model"'
-ME = 'model=~"$model", engine=~"$engine"'
+# The labels of vLLM's own series (ray_vllm_*), so the two join as they are.
+M = 'model_name=~"$model"'
+ME = 'model_name=~"$model", ReplicaId=~"$engine"'
 RI = "[$__rate_interval]"
 
 
@@ -61,10 +62,10 @@ def variables(engine: bool) -> list[dict]:
 
     out = [{"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
             "current": {}, "hide": 0},
-           query_var("model", f"label_values({X('tokenflow_generated_tokens')}, model)", "Model")]
+           query_var("model", f"label_values({X('tokenflow_generated_tokens')}, model_name)", "Model")]
     if engine:
         out.append(query_var(
-            "engine", f'label_values({X("tokenflow_generated_tokens")}{{model=~"$model"}}, engine)', "Engine"))
+            "engine", f'label_values({X("tokenflow_generated_tokens")}{{model_name=~"$model"}}, ReplicaId)', "Engine"))
     return out
 
 
@@ -86,9 +87,9 @@ def latency_panels(sel: str, by: str = "", legend: str = "") -> list[dict]:
             target(quantile(0.5, "tokenflow_ttft_seconds", sel, by), "P50" + sfx),
             target(quantile(0.99, "tokenflow_ttft_seconds", sel, by), "P99" + sfx)], "s",
             "Request reached the replica -> first token sent, streams only."),
-        panel("Time between tokens (P50, P99)", [
-            target(quantile(0.5, "tokenflow_tbt_seconds", sel, by), "P50" + sfx),
-            target(quantile(0.99, "tokenflow_tbt_seconds", sel, by), "P99" + sfx)], "s",
+        panel("Gap between chunks sent (P50, P99)", [
+            target(quantile(0.5, "tokenflow_chunk_gap_seconds", sel, by), "P50" + sfx),
+            target(quantile(0.99, "tokenflow_chunk_gap_seconds", sel, by), "P99" + sfx)], "s",
             "Gap between token-bearing chunks the replica sends (Serve batches tokens into chunks)."),
         panel("Effective vs raw throughput", [
             target(rate(X("tokenflow_effective_tokens"), sel, by), "effective" + sfx),
@@ -121,7 +122,31 @@ def overview() -> dict:
                    "choose_replicas"),
             target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_state_age_seconds", "bucket")}{RI})))',
                    "age of the chosen engine's state")], "s"),
-    ])
+    ] + client_panels())
+
+
+def client_panels() -> list[dict]:
+    """What the readers saw: the load-test client's own exporter
+    (tokenflow/tools/loadtest/exporter.py; job tokenflow-client), by run
+    (the policy under test in bench-app). Empty unless a client exports."""
+    def q(p: float, name: str) -> str:
+        return f'histogram_quantile({p}, sum by (le, run) (rate({name}_bucket{{{M}}}{RI})))'
+
+    return [
+        panel("Client: TTFT the readers saw (P50, P99)", [
+            target(q(0.5, "tokenflow_client_ttft_seconds"), "P50 {{run}}"),
+            target(q(0.99, "tokenflow_client_ttft_seconds"), "P99 {{run}}")], "s",
+            "Send -> first token at the client, beside the replica-side TTFT above."),
+        panel("Client: stalls and effective throughput", [
+            target(f"sum by (run) (rate(tokenflow_client_stall_seconds_sum{{{M}}}{RI}))", "stall s/s {{run}}"),
+            target(f"sum by (run) (rate(tokenflow_client_effective_tokens_total{{{M}}}{RI}))",
+                   "effective tokens/s {{run}}"),
+            target(f"sum by (run) (rate(tokenflow_client_tokens_total{{{M}}}{RI}))", "tokens/s {{run}}")],
+            description="Seconds of stall per second across readers, and tokens that came when needed vs all."),
+        panel("Client: requests ended", [
+            target(f"sum by (run, outcome) (rate(tokenflow_client_requests_total{{{M}}}{RI}))", "{{run}} {{outcome}}")],
+            "reqps"),
+    ]
 
 
 def scheduler() -> dict:
@@ -153,33 +178,35 @@ def kv() -> dict:
                    "{{tier}}")], "percentunit", "Used / capacity of the device KV pool and the host tier."),
         panel("Reload vs recompute", [
             target(rate(X("tokenflow_kv_offload_blocks"), f'{M}, direction="loaded"'), "host blocks reloaded/s"),
-            target(rate(X("tokenflow_tokens_recomputed"), M), "tokens recomputed/s")], "short",
-            "After a release pause: KV reloaded from the host tier vs recomputed."),
+            target(rate(X("tokenflow_tokens_recomputed"), M), "tokens recomputed/s"),
+            target(rate(X("tokenflow_kv_offload_reloads_skipped"), M), "resumes recomputed by choice/s")], "short",
+            "After a release pause: KV reloaded from the host tier vs recomputed (by choice: prefill beat the "
+            "transfer)."),
     ])
 
 
 def engine() -> dict:
-    by = "engine"
-    return dashboard("tokenflow-engine", "TokenFlow / Engine drill-down", latency_panels(ME, by, "{{engine}}") + [
+    by = "ReplicaId"
+    return dashboard("tokenflow-engine", "TokenFlow / Engine drill-down", latency_panels(ME, by, "{{ReplicaId}}") + [
         panel("Scheduler requests", [
-            target(f'sum by (engine, state) ({X("tokenflow_scheduler_requests")}{{{ME}}})', "{{engine}} {{state}}")]),
+            target(f'sum by (ReplicaId, state) ({X("tokenflow_scheduler_requests")}{{{ME}}})', "{{ReplicaId}} {{state}}")]),
         panel("Pauses and resumes", [
-            target(rate(X("tokenflow_pauses"), ME, "engine, kind"), "{{engine}} pause ({{kind}})"),
-            target(rate(X("tokenflow_resumes"), ME, by), "{{engine}} resume")], "ops"),
-        panel("Buffer occupancy (P50)", [target(quantile(0.5, "tokenflow_buffer_seconds", ME, by), "{{engine}}")],
+            target(rate(X("tokenflow_pauses"), ME, "ReplicaId, kind"), "{{ReplicaId}} pause ({{kind}})"),
+            target(rate(X("tokenflow_resumes"), ME, by), "{{ReplicaId}} resume")], "ops"),
+        panel("Buffer occupancy (P50)", [target(quantile(0.5, "tokenflow_buffer_seconds", ME, by), "{{ReplicaId}}")],
               "s"),
         panel("KV offload traffic", [
-            target(rate(X("tokenflow_kv_offload_bytes"), ME, "engine, direction"), "{{engine}} {{direction}}")],
+            target(rate(X("tokenflow_kv_offload_bytes"), ME, "ReplicaId, direction"), "{{ReplicaId}} {{direction}}")],
             "Bps"),
         panel("KV pool blocks", [
-            target(f'sum by (engine, tier, kind) ({X("tokenflow_kv_pool_blocks")}{{{ME}}})',
-                   "{{engine}} {{tier}} {{kind}}")]),
+            target(f'sum by (ReplicaId, tier, kind) ({X("tokenflow_kv_pool_blocks")}{{{ME}}})',
+                   "{{ReplicaId}} {{tier}} {{kind}}")]),
         panel("Finished requests", [
-            target(rate(X("tokenflow_requests_finished"), ME, "engine, status"), "{{engine}} {{status}}")], "reqps"),
+            target(rate(X("tokenflow_requests_finished"), ME, "ReplicaId, status"), "{{ReplicaId}} {{status}}")], "reqps"),
         panel("vLLM KV cache usage", [
             target('max by (ReplicaId) (ray_vllm_kv_cache_usage_perc{model_name=~"$model", ReplicaId=~"$engine"})',
                    "{{ReplicaId}}")], "percentunit",
-            "vLLM's own gauge; its ReplicaId label is TokenFlow's engine id."),
+            "vLLM's own gauge, on the same ReplicaId label as TokenFlow's."),
     ], engine_var=True)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one run on a CUDA GPU machine, no download (tokenflow/gpu_check.py
+# The GPU check: one run on a CUDA GPU machine, no download (tokenflow/tools/gpu_check.py
 # says what it does). Needs the official CUDA vLLM: `make install EXTRA=gpu`.
 # Extra arguments go to `tokenflow gpu-check` (e.g. --skip-bench, --out DIR).
 set -euo pipefail
@@ -13,4 +13,4 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu_check: no CUDA GPU visible to torch; 'tokenflow gpu-check --tiny' is the CPU dry run" >&2
   exit 2
 fi
-exec "$PY" -m tokenflow.gpu_check "$@"
+exec "$PY" -m tokenflow.tools.gpu_check "$@"

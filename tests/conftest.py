@@ -2,7 +2,7 @@
 
 Starting two vLLM engines behind Serve takes a minute or two on 2 cores, so
 every HTTP-level test shares this one app (started the way users start it,
-`serve run deployments/configs/local.yaml`) and stops it by process group."""
+`serve run configs/local.yaml`) and stops it by process group."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.engines import ROOT, ensure_model
-from tokenflow import launcher
+from tokenflow.tools import launcher
 
-LOCAL_CONFIG = str(ROOT / "deployments" / "configs" / "local.yaml")
+LOCAL_CONFIG = str(ROOT / "configs" / "local.yaml")
 
 
 @pytest.fixture(scope="session", autouse=True)

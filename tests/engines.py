@@ -17,7 +17,7 @@ SMALL_POOL = dict(kv_cache_memory_bytes=2 << 20, block_size=32, max_model_len=51
 
 
 def ensure_model() -> str:
-    from tokenflow.tiny_model import make_tiny_model
+    from tokenflow.tools.tiny_model import make_tiny_model
 
     make_tiny_model(MODEL)
     return MODEL

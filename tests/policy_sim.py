@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tokenflow.buffer import ReaderBuffer
-from tokenflow.policy import EngineView, Phase, RequestView
+from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.core.policy import EngineView, Phase, RequestView
 
 
 @dataclass
@@ -56,7 +56,7 @@ class SimEngine:
                         r.max_tokens, r.prompt + r.out, self.blocks(r), r.resident)
             for r in self.reqs.values()
         ]
-        eng = EngineView(self.now, self.block_size, self.total_blocks, self.total_blocks - self.used(),
+        eng = EngineView(self.block_size, self.total_blocks, self.total_blocks - self.used(),
                          self.max_num_seqs, decode_tps=None, step_rate=self.step_rate,
                          prefill_tps=20_000.0, transfer_tps=None)
         return views, eng

@@ -145,7 +145,7 @@ DOC_HEAD = """# Reliability and security
 <!-- Generated from tests/reliability_cases.py (python -m tests.reliability_cases);
      tests/test_reliability.py checks that this file, that list and the live app agree. -->
 
-## Front door (deployments/guard.py)
+## Front door (tokenflow/serve/guard.py)
 
 The OpenAI ingress runs one ASGI middleware outside everything else:
 
@@ -205,7 +205,7 @@ DOC_TAIL = """
   Internal exception: ..."), which repeats the internal exception class name.
 - The admission bound counts requests per ingress replica, not cluster-wide.
 
-## Engine replica failure (deployments/failover.py)
+## Engine replica failure (tokenflow/serve/failover.py)
 
 When an engine replica dies under a request, the ingress sees Ray's
 ActorDiedError (or ActorUnavailableError) on the handle's stream:
@@ -229,7 +229,7 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
   (a restarted engine is assumed as fast as its fastest twin until it shows
   its own speed, so it is not starved by a busy twin's proven capacity).
 - The restarted engine takes over the dead one's slot of the node's shared
-  host KV pool (actors/kv_pool.py): the node allocates no second copy. A
+  host KV pool (tokenflow/serve/kv_pool.py): the node allocates no second copy. A
   slot is handed on only once its holder's pid is gone and no process maps
   its bytes any more.
 - Counts: `replicas_lost` in `GET /v1/tokenflow/engines` (`resent`,
@@ -254,7 +254,7 @@ repeated, bounded re-sends then 503, other errors not swallowed).
   counted in `ray_tokenflow_fallbacks_total` (Prometheus) and in each
   engine's scheduler summary.
 
-## Soak: 2,000 requests (loadtest/soak.py)
+## Soak: 2,000 requests (tokenflow/tools/loadtest/soak.py)
 
 Command: `make serve` in one shell, then
 `.venv/bin/tokenflow soak --requests 2000 --burst 48 --warmup-requests 200 --out soak.json`

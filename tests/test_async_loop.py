@@ -187,11 +187,11 @@ class DuplicatesInFlightToken(MarksPausedInFlight):
 
 
 def variant(*mixins):
-    from tokenflow import scheduler as sched_mod
+    from tokenflow.engine import scheduler as sched_mod
 
     name = "Test" + "".join(m.__name__ for m in mixins)
     setattr(sched_mod, name, type(name, (*mixins, sched_mod.TokenFlowAsyncScheduler), {}))
-    return f"tokenflow.scheduler.{name}"
+    return f"tokenflow.engine.scheduler.{name}"
 
 
 def test_same_step_resume_waits_for_in_flight_step(stock):

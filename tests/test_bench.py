@@ -20,7 +20,7 @@ KEYS = {"completed", "failed", "ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "stall_s
 def test_bench_writes_summary_for_all_schedulers(tmp_path):
     out = tmp_path / "bench"
     r = subprocess.run(
-        [sys.executable, "-m", "tokenflow.cli", "bench", "--out", str(out), "--requests", "12",
+        [sys.executable, "-m", "tokenflow.tools.cli", "bench", "--out", str(out), "--requests", "12",
          "--output-tokens", "24", "--prompt-tokens", "16", "--kv-bytes", str(1 << 20),
          "--max-num-seqs", "8", "--max-model-len", "256", "--model", ensure_model(),
          "--tokenflow", '{"dt": 0.02}', "--workload", "gamma", "--load", "0.3"],
@@ -50,7 +50,7 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
 
 def test_bench_rejects_bad_arguments():
     for args in (["--workload", "zigzag"], ["--rates", "-1"], ["--engine-args", "{not json"]):
-        r = subprocess.run([sys.executable, "-m", "tokenflow.cli", "bench", *args], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench", *args], capture_output=True, text=True)
         assert r.returncode == 2, (args, r.stderr)
         assert "error" in r.stderr
 
@@ -60,7 +60,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     """scripts/gpu_check.sh's code path, on CPU with the tiny model: the
     engine burst pauses and every output equals stock vLLM's."""
     r = subprocess.run(
-        [sys.executable, "-m", "tokenflow.cli", "gpu-check", "--tiny", "--skip-bench", "--out", str(tmp_path),
+        [sys.executable, "-m", "tokenflow.tools.cli", "gpu-check", "--tiny", "--skip-bench", "--out", str(tmp_path),
          "--model-dir", ensure_model(), "--requests", "24", "--prompt-tokens", "16", "--output-tokens", "96",
          "--max-num-seqs", "16", "--max-model-len", "512", "--kv-bytes", str(2 << 20),
          "--offload-bytes", str(16 << 20), "--dt", "0.02"],
@@ -85,7 +85,7 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
     through the app, streamed over HTTP; one summary for all three."""
     out = tmp_path / "bench-app"
     r = subprocess.run(
-        [sys.executable, "-m", "tokenflow.cli", "bench-app", "--engines", "1", "--port", "8017",
+        [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--engines", "1", "--port", "8017",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
          "--slo-ttft", "5", "--app-nice", "5", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
@@ -127,7 +127,7 @@ def test_bench_app_rejects_bad_arguments(tmp_path):
                       (["--config", str(tmp_path / "none.yaml")], "no such config"),
                       (["--tokenflow", '{"policy": "fcfs"}'], "--tokenflow"),
                       (["--model", "other"], "model_id"), (["--app-nice", "30"], "--app-nice"), (["--shape", "bursts", "--load", "0"], "--period")):
-        r = subprocess.run([sys.executable, "-m", "tokenflow.cli", "bench-app", "--out", str(tmp_path), *args],
+        r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--out", str(tmp_path), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)
         assert "error" in r.stderr and msg in r.stderr, (args, r.stderr)

@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from actors.engine_state import EngineTracker, count_chunk, tracked
-from actors.kv_pool import KVPoolSettings, PoolAccounting
-from actors.ranking import EngineState, RouterSettings, RoutingTable, rank_engines, slack, split_burst
+from tokenflow.serve.kv_pool import KVPoolSettings, PoolAccounting
+from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, RoutingTable, rank_engines, slack, split_burst
+from tokenflow.serve.sse import count_chunk
+from tokenflow.serve.streams import EngineTracker, tracked
 
-S = RouterSettings(reader_rate=40.0, capacity_tps=1000.0, horizon_s=10.0)
+S = RoutingSettings(reader_rate=40.0, capacity_tps=1000.0, horizon_s=10.0)
 
 
 def engine(eid, running=0, buffers=(), rate=40.0, waiting=0, **kw):
@@ -104,13 +105,13 @@ def test_an_engine_serve_saw_die_is_not_ranked_again():
     t.update(snap)
     t.drop("a")
     assert t.rank(["a", "b"]) == ["b"]
-    t.update(snap)  # the router actor still holds its last push for a while
+    t.update(snap)  # the state board still holds its last push for a while
     assert t.rank(["a", "b"]) == ["b"]
 
 
 def test_stale_engine_is_excluded_and_unknown_means_fallback():
     clock = [100.0]
-    t = RoutingTable(RouterSettings(stale_after_s=0.3), clock=lambda: clock[0])
+    t = RoutingTable(RoutingSettings(stale_after_s=0.3), clock=lambda: clock[0])
     t.update({"a": (engine("a").to_dict(), 0.05), "b": (engine("b", buffers=[0.1] * 30).to_dict(), 0.05)})
     assert t.rank(["a", "b"]) == ["a", "b"]
     # "a" stops pushing (dead or hung); "b" keeps pushing.
@@ -127,7 +128,7 @@ def test_stale_engine_is_excluded_and_unknown_means_fallback():
 
 def test_sent_requests_count_until_a_push_reflects_them():
     clock = [0.0]
-    t = RoutingTable(RouterSettings(pending_ttl_s=2.0), clock=lambda: clock[0])
+    t = RoutingTable(RoutingSettings(pending_ttl_s=2.0), clock=lambda: clock[0])
     snap = {e: (engine(e, received_total=5).to_dict(), 0.0) for e in ("a", "b")}
     t.update(snap)
     for _ in range(4):  # a burst before any new push: alternates, no herding
@@ -166,10 +167,10 @@ def test_view_and_latency_summary():
 
 
 def test_router_actor_long_poll_answers_on_push_and_counts_transit():
-    from actors.router import RouterState
+    from tokenflow.serve.routing.board import StateBoard
 
     async def run():
-        actor = RouterState()
+        actor = StateBoard()
         seen, snap = await actor.wait_snapshot(-1, 0.05)  # nothing pushed: times out empty
         assert (seen, snap) == (0, {})
         waiter = asyncio.create_task(actor.wait_snapshot(seen, 5.0))
@@ -188,9 +189,9 @@ def test_router_actor_long_poll_answers_on_push_and_counts_transit():
 
 def test_settings_reject_typos_and_bad_values():
     with pytest.raises(ValueError, match="unknown router keys"):
-        RouterSettings.from_dict({"push_interval": 0.1})
+        RoutingSettings.from_dict({"push_interval": 0.1})
     with pytest.raises(ValueError, match="stale_after_s"):
-        RouterSettings.from_dict({"stale_after_s": 0})
+        RoutingSettings.from_dict({"stale_after_s": 0})
     with pytest.raises(ValueError, match="unknown kv_pool keys"):
         KVPoolSettings.from_dict({"size": 1})
     with pytest.raises(ValueError, match="ram_fraction"):
@@ -315,7 +316,7 @@ def _app_args(model_path: str) -> dict:
         "deployment_config": {"ray_actor_options": {"resources": {"tf_engine_slot": 1}}},
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
         "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024,
-                          "max_num_seqs": 16, "scheduler_cls": "tokenflow.scheduler.TokenFlowScheduler"},
+                          "max_num_seqs": 16, "scheduler_cls": "tokenflow.engine.scheduler.TokenFlowScheduler"},
         "tokenflow": {"policy": "tokenflow", "dt": 0.5, "default_rate": 40.0},
         "router": {"stale_after_s": 1.0},  # as local.yaml: 2 busy cores delay pushes
         "kv_pool": {"size_bytes": 64 * 2**20},
@@ -329,10 +330,10 @@ def cluster_app():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from actors.kv_pool import kill_node_pools
-    from actors.router import kill_app_actors
-    from deployments.app import build_app
     from tests.engines import ensure_model
+    from tokenflow.serve.app import build_app
+    from tokenflow.serve.kv_pool import kill_node_pools
+    from tokenflow.serve.routing.board import kill_app_actors
 
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray cluster")
@@ -389,7 +390,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     import httpx
     import ray
 
-    from actors.kv_pool import NAMESPACE, list_pools, pool_name
+    from tokenflow.serve.kv_pool import NAMESPACE, list_pools, pool_name
 
     base = cluster_app["base"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
@@ -486,7 +487,7 @@ def test_dead_engine_is_skipped_then_replaced(cluster_app):
         return sum(e["routed"] for r in v["routers"].values() for e in r["engines"] if e["engine_id"] == eid)
 
     # Kill the replica actor outright, as a crash would (no graceful stop, so
-    # it never says goodbye to the router actor).
+    # it never says goodbye to the state board).
     ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
     time.sleep(2.5)  # > stale_after_s (1 s): its state is now unknown
     engines = {e["engine_id"]: e for e in httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()["engines"]}

@@ -1,4 +1,4 @@
-"""Engine replica failure under requests (deployments/failover.py).
+"""Engine replica failure under requests (tokenflow/serve/failover.py).
 
 The first tests drive the ingress's failover on scripted streams (a replica
 "dies" by raising what a Serve handle raises); the last kills a real engine
@@ -12,7 +12,7 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from deployments.failover import LOST_MESSAGE, resend_until_first_token
+from tokenflow.serve.failover import LOST_MESSAGE, resend_until_first_token
 
 
 def sse(text: str | None = None, role: bool = False) -> str:

@@ -1,5 +1,5 @@
-"""The node's shared host KV pool (kv_offload/host_shm.py) and its slot table
-(actors/kv_pool.py SlotTable), with real processes: the pool's owner, and
+"""The node's shared host KV pool (tokenflow/kv_offload/host_shm.py) and its slot table
+(tokenflow/serve/kv_pool.py SlotTable), with real processes: the pool's owner, and
 engines that map their slot in other processes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from actors.kv_pool import PoolFull, SlotHolder, SlotTable
-from kv_offload import host_shm
+from tokenflow.kv_offload import host_shm
+from tokenflow.serve.kv_pool import PoolFull, SlotHolder, SlotTable
 
 SLOT = 4 * host_shm.PAGE
 

@@ -1,4 +1,4 @@
-"""The host KV tier (kv_offload/) under vLLM's OffloadingConnector.
+"""The host KV tier (tokenflow/kv_offload/) under vLLM's OffloadingConnector.
 
 Fast tests drive the manager and the CPU copy worker directly; slow ones run
 a real in-process engine (tiny model with real random weights, KV pool of
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-import kv_offload
-from kv_offload.manager import HostBlocks, HostPoolManager
-from kv_offload.worker import HostPoolWorker
+from tokenflow.kv_offload import kv_transfer_config
+from tokenflow.kv_offload.manager import HostBlocks, HostPoolManager
+from tokenflow.kv_offload.worker import HostPoolWorker
 
-TF = "tokenflow.scheduler.TokenFlowScheduler"
+TF = "tokenflow.engine.scheduler.TokenFlowScheduler"
 FAST = {"dt": 0.02}
 BLOCK = 32  # tests/engines.py SMALL_POOL block_size
 
@@ -173,7 +173,7 @@ class Resumes:
 
 def watch_resumes(sched) -> Resumes:
     """Wrap this scheduler instance's preemption and schedule() to count
-    recomputed tokens (the class stays tokenflow.scheduler.TokenFlowScheduler)."""
+    recomputed tokens (the class stays tokenflow.engine.scheduler.TokenFlowScheduler)."""
     rec = Resumes()
     preempt, schedule = sched._preempt_request, sched.schedule
 
@@ -205,13 +205,14 @@ class Run:
     pinned_after: int = 0
     deferred_chunks: int | None = None  # store-budget deferrals (TokenFlow connector)
     reloads_skipped: int | None = None  # resumes the policy chose to recompute
+    offload: object = None  # the typed host-tier counters the replica reads (TokenFlow scheduler)
 
 
 def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | None = None,
               patch=None) -> Run:
-    from kv_offload import spec as spec_mod
-    from kv_offload.connector import host_pool_of
     from tests.engines import burst_prompts, drain, make_llm, scheduler_of
+    from tokenflow.kv_offload import spec as spec_mod
+    from tokenflow.kv_offload.tier import host_pool_of
 
     kw = {}
     if offload is not None:
@@ -234,10 +235,11 @@ def run_burst(offload: dict | None = None, tokenflow: bool = True, spec: type | 
             stats=getattr(sched, "tf_stats", None),
             counters=pool.counters if pool else None,
             resumes=rec,
-            scheduler_tps=sched._transfer_tps() if tokenflow else None,
+            scheduler_tps=sched.host_tier.transfer_tps() if tokenflow and sched.host_tier else None,
             pinned_after=pool.pinned_blocks() if pool else 0,
             deferred_chunks=getattr(getattr(sched.connector, "store_budget", None), "deferred_chunks", None),
             reloads_skipped=getattr(sched.connector, "reloads_skipped", None),
+            offload=sched.scheduler_state().offload if tokenflow else None,
         )
         del llm, sched
         gc.collect()
@@ -260,7 +262,7 @@ def test_released_requests_reload_from_host(baseline, tokenflow_connector):
     # The stock connector gives the policy no transfer speed or host pool
     # size; TokenFlow's gives both (the policy's working set then spans the
     # host pool). Either way a pause releases KV and the resume reloads it.
-    run = run_burst(kv_offload.kv_transfer_config(host_pool_bytes=64 << 20, tokenflow_connector=tokenflow_connector))
+    run = run_burst(kv_transfer_config(host_pool_bytes=64 << 20, tokenflow_connector=tokenflow_connector))
     c = run.counters
     assert run.stats.pauses_release > 0, "the burst must force KV-releasing pauses"
     assert c.blocks_stored > 0 and c.blocks_loaded > 0 and c.lookup_hits > 0
@@ -286,12 +288,12 @@ def test_the_host_pool_can_be_a_slot_of_the_nodes_shared_memory(baseline):
 
     import numpy as np
 
-    from kv_offload.host_shm import PoolFile
+    from tokenflow.kv_offload.host_shm import PoolFile
 
     slot = 64 << 20
     f = PoolFile("/dev/shm", f"engine-test-{os.getpid()}", 2 * slot)
     try:
-        run = run_burst(kv_offload.kv_transfer_config(region=f.region(1, slot)))
+        run = run_burst(kv_transfer_config(region=f.region(1, slot)))
         node = np.frombuffer(mmap.mmap(f.fd, f.nbytes), dtype=np.uint8)
         assert not node[:slot].any(), "the engine wrote outside its slot"
         assert node[slot:].any(), "the engine's KV is not in the node's pool"
@@ -308,7 +310,7 @@ def test_a_tight_store_budget_defers_stores_and_outputs_stay_equal(baseline):
     # 0.05% of the measured store speed (the tiny model copies ~1.7M tokens/s,
     # far more than a burst writes): most write-through waits for later
     # steps (some requests pause before theirs is stored and recompute).
-    run = run_burst(kv_offload.kv_transfer_config(host_pool_bytes=64 << 20, store_share=0.0005))
+    run = run_burst(kv_transfer_config(host_pool_bytes=64 << 20, store_share=0.0005))
     assert run.deferred_chunks > 0, "the budget never held a store back"
     assert run.counters.blocks_stored > 0 and run.stats.pauses_release > 0
     assert run.tokens == baseline
@@ -316,7 +318,7 @@ def test_a_tight_store_budget_defers_stores_and_outputs_stay_equal(baseline):
 
 
 def test_store_budget_spends_on_the_largest_buffers_first():
-    from kv_offload.store_budget import PendingStore, StoreBudget
+    from tokenflow.kv_offload.store_budget import PendingStore, StoreBudget
 
     b = StoreBudget(share=0.5, max_credit_s=1.0)
     assert not b.refill(None, 0.0)  # nothing measured yet: no cap
@@ -343,19 +345,20 @@ def test_resumes_the_policy_prices_as_recompute_are_recomputed(baseline):
         real = sched.policy.resume_mode
         sched.policy.resume_mode = lambda r, eng: "recompute" if real(r, eng) else None
 
-    run = run_burst(kv_offload.kv_transfer_config(host_pool_bytes=64 << 20), patch=recompute_always)
+    run = run_burst(kv_transfer_config(host_pool_bytes=64 << 20), patch=recompute_always)
     assert run.stats.pauses_release > 0 and run.counters.blocks_stored > 0
     assert run.reloads_skipped > 0, "no resume was steered to recompute"
+    assert run.offload.reloads_skipped == run.reloads_skipped  # in the typed counters the replica reads
     assert max(run.resumes.recomputed) >= BLOCK, "every resume still reloaded"
     assert run.tokens == baseline
 
 
 @pytest.mark.slow
 def test_load_that_skips_the_copy_is_caught(baseline):
-    from kv_offload.spec import TokenFlowOffloadingSpec
+    from tokenflow.kv_offload.spec import TokenFlowOffloadingSpec
 
     broken = type("NoCopyOnLoadSpec", (TokenFlowOffloadingSpec,), {"cpu_worker_cls": NoCopyOnLoadWorker})
-    run = run_burst(kv_offload.kv_transfer_config(host_pool_bytes=64 << 20, tokenflow_connector=False), spec=broken)
+    run = run_burst(kv_transfer_config(host_pool_bytes=64 << 20, tokenflow_connector=False), spec=broken)
     assert run.counters.blocks_loaded > 0
     assert max(run.resumes.recomputed) < BLOCK  # vLLM trusted the "loaded" KV
     assert run.tokens != baseline
@@ -366,7 +369,7 @@ def test_pool_far_smaller_than_burst_recomputes(baseline):
     # 12 host blocks against a burst that writes through 72: blocks are
     # evicted while their requests are paused, and those requests load what
     # is left of their prefix and recompute the rest.
-    run = run_burst(kv_offload.kv_transfer_config(host_pool_blocks=12, tokenflow_connector=False))
+    run = run_burst(kv_transfer_config(host_pool_blocks=12, tokenflow_connector=False))
     c = run.counters
     assert c.capacity_blocks == 12
     assert c.evictions > 0 and c.evicted_live > 0 and c.lookup_misses > 0
@@ -377,10 +380,10 @@ def test_pool_far_smaller_than_burst_recomputes(baseline):
 
 @pytest.mark.slow
 def test_abort_releases_the_requests_host_blocks():
-    from kv_offload.connector import host_pool_of
     from tests.engines import make_llm, scheduler_of
+    from tokenflow.kv_offload.tier import host_pool_of
 
-    llm = make_llm(TF, {"dt": 0.05}, max_num_seqs=4, kv_transfer_config=kv_offload.kv_transfer_config(host_pool_blocks=64))
+    llm = make_llm(TF, {"dt": 0.05}, max_num_seqs=4, kv_transfer_config=kv_transfer_config(host_pool_blocks=64))
     engine, sched = llm.llm_engine, scheduler_of(llm)
     pool = host_pool_of(sched.connector)
     try:
@@ -406,7 +409,7 @@ def test_abort_releases_the_requests_host_blocks():
         assert pool.pinned_blocks(mine) == 0  # the others may be storing now
         # The TokenFlow connector hands the measured copy speed to the scheduler.
         assert pool.counters.store.total_bytes > 0
-        assert sched._transfer_tps() == pool.counters.transfer_tps > 0
+        assert sched.host_tier.transfer_tps() == pool.counters.transfer_tps > 0
         engine.abort_request(["r1", "r2", "r3"])
         for _ in range(3):
             engine.step()

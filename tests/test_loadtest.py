@@ -1,7 +1,7 @@
 """The Locust load test: per-request accounting, shapes, CLI, and one live run.
 
 Locust monkeypatches whatever process imports it with gevent, so this file
-never imports `locust` or loadtest.locustfile: the accounting and shapes are
+never imports `locust` or tokenflow.tools.loadtest.locustfile: the accounting and shapes are
 pure modules, and the run itself is a `tokenflow loadtest` subprocess."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from loadtest.recorder import RequestRecorder, StreamError, sse_data
-from loadtest.runner import check_host, summarize
-from loadtest.shapes import arrival_offsets, draw_rates, make_schedule, parse_rates
 from tests.engines import ROOT
-from tokenflow.cli import main
+from tokenflow.tools.cli import main
+from tokenflow.tools.loadtest.recorder import RequestRecorder, StreamError, sse_data
+from tokenflow.tools.loadtest.runner import check_host, summarize
+from tokenflow.tools.loadtest.shapes import arrival_offsets, draw_rates, make_schedule, parse_rates
 
 # --- (a) accounting against a scripted stream ---------------------------------
 #
@@ -235,10 +235,10 @@ def test_cli_rejects_bad_combinations_before_starting(argv, msg, capsys, tmp_pat
 def test_bad_arguments_exit_nonzero_from_the_commands():
     """The same checks through the real processes: `tokenflow loadtest`, and
     the locustfile under the `locust` command."""
-    p = subprocess.run([sys.executable, "-m", "tokenflow.cli", "loadtest", "--rates", "fast"],
+    p = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "loadtest", "--rates", "fast"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "argument --rates: bad rate entry 'fast'" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless",
+    p = subprocess.run([sys.executable, "-m", "locust", "-f", "tokenflow/tools/loadtest/locustfile.py", "--headless",
                         "--shape", "gamma", "--jsonl", "/dev/null"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs --arrival-rate" in p.stderr
@@ -251,7 +251,7 @@ def test_bad_arguments_exit_nonzero_from_the_commands():
 def test_burst_run_against_the_app(serve_app, tmp_path):
     out = tmp_path / "lt"
     max_tokens, n = 24, 6
-    cmd = [sys.executable, "-m", "tokenflow.cli", "loadtest", "--host", serve_app["base_url"],
+    cmd = [sys.executable, "-m", "tokenflow.tools.cli", "loadtest", "--host", serve_app["base_url"],
            "--model", serve_app["model"], "--shape", "burst", "--requests", str(n),
            "--rates", "10:0.5,40:0.5", "--max-tokens", str(max_tokens), "--request-timeout", "240",
            "--out", str(out)]

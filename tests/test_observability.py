@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.engine_state import EngineTracker, tracked
 from tests.engines import ROOT
-from tokenflow import metrics as tfm
-from tokenflow.buffer import ReaderBuffer
-from tokenflow.sched_state import SchedulerState, SchedulerStats
+from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.core.sched_state import SchedulerState, SchedulerStats
+from tokenflow.serve import metrics as tfm
+from tokenflow.tools.loadtest.exporter import CLIENT_METRICS, ClientMetrics
+from tokenflow.serve.streams import EngineTracker, tracked
 
 PROMETHEUS = "/usr/bin/prometheus"
 RAY_TEMP = Path("/tmp/ray")
@@ -77,13 +78,20 @@ def test_panels_query_only_defined_metrics():
             for name in re.findall(r"\b(ray_[a-z0-9_]+)", expr):
                 assert name in known or name.startswith("ray_vllm_"), f"unknown metric {name} in {expr}"
                 used.add(name)
-    # Every metric is on some dashboard.
+    # Every metric is on some dashboard, the client's too.
     for s in tfm.SPECS:
         assert any(n.startswith(tfm.PREFIX + s.name) for n in used), s.name
+    client = {name for name, _, _ in CLIENT_METRICS}
+    used_client = {n for dash in _dashboards().values() for _, expr in _targets(dash)
+                   for n in re.findall(r"\b(tokenflow_client_[a-z0-9_]+)", expr)}
+    assert {n.removesuffix("_bucket").removesuffix("_sum") for n in used_client} <= client
+    assert client == {n.removesuffix("_bucket").removesuffix("_sum") for n in used_client}
 
 
 def test_readme_lists_every_metric():
-    assert tfm.markdown_table() in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert tfm.markdown_table() in readme
+    assert all(f"`{name}`" in readme for name, _, _ in CLIENT_METRICS)
 
 
 def test_cumulative_deltas():
@@ -173,7 +181,7 @@ def test_tracker_feeds_metrics_per_request():
     asyncio.run(run())
     m = em.m
     assert m.of("observe", "tokenflow_ttft_seconds") == [pytest.approx(0.3)]
-    assert m.of("observe", "tokenflow_tbt_seconds") == [pytest.approx(0.1)] * 8
+    assert m.of("observe", "tokenflow_chunk_gap_seconds") == [pytest.approx(0.1)] * 8
     assert sum(m.of("inc", "tokenflow_generated_tokens")) == 18
     assert m.of("inc", "tokenflow_requests_finished", stream="true", status="ok") == [1]
     ref = ReaderBuffer(rate=5.0, arrival_time=0.0)
@@ -217,11 +225,11 @@ def _free_port() -> int:
 
 def test_push_to_unreachable_grafana_fails_clearly():
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there now
-    p = subprocess.run([sys.executable, "-m", "tokenflow.cli", "dashboards", "push", "--url", url,
+    p = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "dashboards", "push", "--url", url,
                         "--token", "t", "--timeout", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stdout + p.stderr
     assert f"cannot reach Grafana at {url}" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "tokenflow.cli", "dashboards", "push"], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "dashboards", "push"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "needs --url" in p.stderr
 
@@ -231,11 +239,14 @@ def test_push_to_unreachable_grafana_fails_clearly():
 class Prometheus:
     """A Prometheus server on loopback, scraping Ray's service discovery file."""
 
-    def __init__(self, workdir: Path, sd_file: Path, interval_s: int = 1):
+    def __init__(self, workdir: Path, sd_file: Path, client_port: int, interval_s: int = 1):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Jobs as in configs/prometheus.yml: Ray's nodes, and the load-test client.
         config = {"global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
-                  "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [str(sd_file)]}]}]}
+                  "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [str(sd_file)]}]},
+                                     {"job_name": "tokenflow-client",
+                                      "static_configs": [{"targets": [f"127.0.0.1:{client_port}"]}]}]}
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
@@ -328,11 +339,15 @@ def _stream(client, model: str, rate: float, prompt: str, max_tokens: int) -> di
         if n:
             reader.on_tokens(now, n)
             counted += n
-    return {"tokens": counted, "effective": reader.effective_tokens(counted), "rate": rate}
+    reader.on_finish(time.monotonic())
+    return {"ok": True, "tokens": counted, "effective": reader.effective_tokens(counted), "rate": rate,
+            "ttft_s": reader.ttft, "stall_s": reader.stall_time(time.monotonic()),
+            "effective_tokens": reader.effective_tokens(counted)}
 
 
-def _burst(client, model: str, n: int, max_tokens: int, rates: list[float]) -> list[dict]:
-    """n streaming readers at once (threads), as many rates as given, cycled."""
+def _burst(client, model: str, n: int, max_tokens: int, rates: list[float], metrics=None) -> list[dict]:
+    """n streaming readers at once (threads), as many rates as given, cycled;
+    each result also goes to the client's exporter `metrics`."""
     results, errors = [None] * n, []
 
     def one(i):
@@ -347,6 +362,9 @@ def _burst(client, model: str, n: int, max_tokens: int, rates: list[float]) -> l
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
+    for r in results:
+        if metrics is not None:
+            metrics.observe(r, model, "test")
     return results
 
 
@@ -362,11 +380,13 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
     if not Path(PROMETHEUS).is_file():
         pytest.fail(f"{PROMETHEUS} missing: `make test` installs it (apt-get install prometheus)")
     model = serve_app["model"]
-    replicas = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())["applications"][0]["args"]["num_replicas"]
-    prom = Prometheus(tmp_path, _sd_file())
+    replicas = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["applications"][0]["args"]["num_replicas"]
+    client_metrics = ClientMetrics(port=_free_port())  # what the readers saw, exported as bench-app does
+    prom = Prometheus(tmp_path, _sd_file(), client_metrics.server.server_port)
+    sent_tokens = 0
     try:
         prom.wait_ready()
-        sel = f'model="{model}"'
+        sel = f'model_name="{model}"'  # vLLM's own label names
         totals = {
             "ttft": f"sum({tfm.exported('tokenflow_ttft_seconds', 'count')}{{{sel}}})",
             "finished": f'sum({tfm.exported("tokenflow_requests_finished")}{{{sel}, stream="true", status="ok"}})',
@@ -383,15 +403,15 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         histograms = [s.exported("count") for s in tfm.engine_specs() if s.kind == "histogram"]
         n, max_tokens, rates = 8, 48, [2.0, 3.0, 4.0, 5.0]
         with urllib.request.urlopen(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30) as r:
-            # fresh: the router actor lists a dead replica for a while after.
+            # fresh: the state board lists a dead replica for a while after.
             live = {e["engine_id"] for e in json.loads(r.read())["engines"] if e["fresh"]}
         for _ in range(3):
-            _burst(client, model, n, max_tokens, rates)
+            sent_tokens += sum(r["tokens"] for r in _burst(client, model, n, max_tokens, rates, client_metrics))
             deadline = time.monotonic() + 40  # replicas export every 10 s
             while time.monotonic() < deadline:
                 # ... on every live engine (the drill-down shows one).
                 missing = [h for h in histograms
-                           if not live <= {x["engine"] for x in prom.api("series", **{"match[]": f"{h}{{{sel}}}"})}]
+                           if not live <= {x["ReplicaId"] for x in prom.api("series", **{"match[]": f"{h}{{{sel}}}"})}]
                 if not missing:
                     break
                 time.sleep(2)
@@ -413,15 +433,16 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
             assert time.monotonic() < deadline, f"totals never settled: {now_vals}, up={up}"
             time.sleep(1)
         base = last
-        ttft_by_engine = f'sum by (engine) ({tfm.exported("tokenflow_ttft_seconds", "count")}{{{sel}}})'
-        base_by_engine = {r["metric"]["engine"]: float(r["value"][1])
+        ttft_by_engine = f'sum by (ReplicaId) ({tfm.exported("tokenflow_ttft_seconds", "count")}{{{sel}}})'
+        base_by_engine = {r["metric"]["ReplicaId"]: float(r["value"][1])
                           for r in prom.api("query", query=ttft_by_engine)["result"]}
 
         # The burst: 8 streaming readers at once, 48 tokens each. Slow readers
         # (2-5 tokens/s): big buffers, so the scheduler has reason to pause.
         start = time.time()
-        results = _burst(client, model, n, max_tokens, rates)
+        results = _burst(client, model, n, max_tokens, rates, client_metrics)
         client_tokens = sum(r["tokens"] for r in results)
+        sent_tokens += client_tokens
         client_effective = sum(r["effective"] for r in results)
         assert client_tokens == n * max_tokens
 
@@ -458,11 +479,18 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         # the app the client talked to (its ingress lists them). A replica
         # that died earlier in the session (tests/test_failover.py kills one)
         # may still be exported with its last values: it served none of this.
-        engines = prom.api("label/engine/values", **{"match[]": f'{tfm.exported("tokenflow_ttft_seconds", "count")}{{{sel}}}'})
+        engines = prom.api("label/ReplicaId/values", **{"match[]": f'{tfm.exported("tokenflow_ttft_seconds", "count")}{{{sel}}}'})
         with urllib.request.urlopen(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30) as r:
             served = sorted(e["engine_id"] for e in json.loads(r.read())["engines"] if e["fresh"])
-        after = {r["metric"]["engine"]: float(r["value"][1]) for r in prom.api("query", query=ttft_by_engine)["result"]}
+        after = {r["metric"]["ReplicaId"]: float(r["value"][1]) for r in prom.api("query", query=ttft_by_engine)["result"]}
         assert len(served) == replicas and set(served) <= set(engines), (engines, served)
+        # TokenFlow's series join vLLM's own as they are: same label names.
+        joined = prom.api("query", query=f'{ttft_by_engine} * on (ReplicaId) group_left '
+                                         f'max by (ReplicaId) (ray_vllm_kv_cache_usage_perc{{{sel}}})')["result"]
+        assert set(served) <= {r["metric"]["ReplicaId"] for r in joined}, joined
+        # The client's own exporter, scraped beside the servers: every token the readers got.
+        assert prom.value(f'sum(tokenflow_client_tokens_total{{{sel}, run="test"}})') == sent_tokens
+        assert prom.value(f'sum(tokenflow_client_requests_total{{{sel}, run="test", outcome="ok"}})') == sent_tokens / max_tokens
         gone = [e for e in engines if e not in served]
         assert all(after.get(e, 0) == base_by_engine.get(e, 0) for e in gone), (gone, after, base_by_engine)
         # The drill-down shows the engine that served most of the burst.
@@ -486,3 +514,4 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         assert not empty, "panels without data:\n" + "\n".join(empty)
     finally:
         prom.stop()
+        client_metrics.close()

@@ -1,5 +1,5 @@
 """Overload on the real app: a flood past the admission bound, and a bounded
-soak (loadtest/soak.py) with nothing lost and memory flat."""
+soak (tokenflow/tools/loadtest/soak.py) with nothing lost and memory flat."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_a_flood_past_the_bound_gets_429_with_retry_after_and_the_rest_complete(
 
 @pytest.mark.slow
 def test_soak_2000_requests_none_lost_memory_flat(serve_app):
-    from loadtest.soak import SoakSettings, soak
+    from tokenflow.tools.loadtest.soak import SoakSettings, soak
 
     s = SoakSettings(url=serve_app["base_url"], model=serve_app["model"], requests=2000, burst=48,
                      warmup_requests=200)

@@ -10,7 +10,7 @@ from tests.engines import burst_prompts, make_llm, scheduler_of
 
 pytestmark = pytest.mark.slow
 
-TF = "tokenflow.scheduler.TokenFlowScheduler"
+TF = "tokenflow.engine.scheduler.TokenFlowScheduler"
 FAST = {"dt": 0.02}  # decide often: the tiny model finishes a burst in about a second
 
 
@@ -76,12 +76,12 @@ class ClaimsStaleKV:
 
 
 def test_broken_resume_is_caught(baseline):
-    from tokenflow import scheduler as sched_mod
+    from tokenflow.engine import scheduler as sched_mod
 
     broken = type("BrokenTokenFlowScheduler", (ClaimsStaleKV, sched_mod.TokenFlowScheduler), {})
     sched_mod.BrokenTokenFlowScheduler = broken  # importable by dotted path
     try:
-        tokens, stats, _, _ = generate("tokenflow.scheduler.BrokenTokenFlowScheduler", FAST)
+        tokens, stats, _, _ = generate("tokenflow.engine.scheduler.BrokenTokenFlowScheduler", FAST)
     finally:
         del sched_mod.BrokenTokenFlowScheduler
     assert broken.broken_releases > 0

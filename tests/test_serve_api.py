@@ -122,8 +122,8 @@ def test_engines_share_the_node_host_pool(client, serve_app):
     host tier is half, and together they stay within the node's pool."""
     import yaml
 
-    from kv_offload.host_shm import mapped_ranges
     from tests.conftest import LOCAL_CONFIG
+    from tokenflow.kv_offload.host_shm import mapped_ranges
 
     args = yaml.safe_load(open(LOCAL_CONFIG))["applications"][0]["args"]
     node_pool = args["kv_pool"]["size_bytes"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "tokenflow.cli"]
+CLI = [sys.executable, "-m", "tokenflow.tools.cli"]
 
 
 def digest(d: Path) -> dict[str, str]:
@@ -46,7 +46,7 @@ def test_tiny_model_generates_in_vllm(tmp_path):
     from vllm import SamplingParams
 
     from tests.engines import make_llm
-    from tokenflow.tiny_model import make_tiny_model
+    from tokenflow.tools.tiny_model import make_tiny_model
 
     d = make_tiny_model(tmp_path / "m", seed=1)
     llm = make_llm(model=str(d))

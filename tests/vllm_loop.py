@@ -254,11 +254,11 @@ def make_loop(scheduler_cls=None, tokenflow: dict | None = None, *, async_schedu
     """An EngineCore as vLLM builds it, minus the model executor."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.utils.hashing import get_hash_fn_by_name
 
     from tests.engines import ensure_model, inproc_env
 
@@ -351,8 +351,8 @@ def ttft_steps(loop: Loop, rids) -> list[int]:
     return sorted(loop.first_token_step[r] - loop.arrival_step[r] for r in rids)
 
 
-TF_ASYNC = "tokenflow.scheduler.TokenFlowAsyncScheduler"
-TF_SYNC = "tokenflow.scheduler.TokenFlowScheduler"
+TF_ASYNC = "tokenflow.engine.scheduler.TokenFlowAsyncScheduler"
+TF_SYNC = "tokenflow.engine.scheduler.TokenFlowScheduler"
 FAST = {"dt": 0.05}
 
 

@@ -1,1 +1,0 @@
-"""Ray Serve deployments for TokenFlow (see deployments/app.py)."""

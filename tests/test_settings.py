@@ -1,0 +1,64 @@
+"""The app's args: one schema (tokenflow/serve/settings.py), published as
+docs/config-schema.json; what a user gets back for a good and a bad config."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tokenflow.serve.app import resolve_args
+from tokenflow.serve.settings import AppSettings, json_schema
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_published_schema_is_the_generated_one():
+    out = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "config-schema"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out == json_schema() == (ROOT / "docs" / "config-schema.json").read_text()
+    schema = json.loads(out)
+    assert schema["additionalProperties"] is False
+    # every field of every block says what it is
+    for block in [schema, *schema["$defs"].values()]:
+        for name, prop in block["properties"].items():
+            assert prop.get("description"), name
+
+
+def test_shipped_configs_validate():
+    for name in ("local.yaml", "gpu.yaml"):
+        args = yaml.safe_load((ROOT / "configs" / name).read_text())["applications"][0]["args"]
+        AppSettings.from_dict(args)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"num_replica": 2}, "unknown app args keys: ['num_replica']"),
+    ({"tokenflow": {"dtt": 0.1}}, "unknown app args keys: ['tokenflow.dtt']"),
+    ({"router": {"push_interval": 0.1}}, "['router.push_interval']"),
+    ({"tokenflow": {"dt": 0}}, "tokenflow.dt: Input should be greater than 0"),
+    ({"tokenflow": {"policy": "lifo"}}, "tokenflow.policy"),
+    ({"tokenflow": {"mu": True}}, "must be a number, not true/false"),
+    ({"admission": {"max_n": 2.5}}, "admission.max_n"),
+    ({"kv_pool": {"ram_fraction": 1.5}}, "kv_pool.ram_fraction"),
+    ({"accelerator": "tpu"}, "accelerator"),
+    ({"tokenflow": {"dt": 0.1}, "engine_kwargs": {"additional_config": {"tokenflow": {"dt": 0.2}}}}, "keep one"),
+])
+def test_bad_args_are_refused_with_the_key_named(args, message):
+    with pytest.raises(ValueError) as e:
+        resolve_args(args)
+    assert message in str(e.value)
+
+
+def test_defaults_and_command_line_strings():
+    a = resolve_args({"num_replicas": "2", "replica_num_cpus": "0.5", "env": {"X": 1}, "router": None})
+    assert a["num_replicas"] == 2 and a["replica_num_cpus"] == 0.5  # `serve run ... num_replicas=2` gives strings
+    assert a["env"]["X"] == 1 and a["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # extends the cpu defaults
+    assert a["engine_kwargs"]["dtype"] == "float32"  # cpu defaults when no engine_kwargs are given
+    assert a["router"]["reader_rate"] == 40.0  # null: the default block, reading at tokenflow's default rate
+    a = resolve_args({"tokenflow": {"default_rate": 12}, "engine_kwargs": {"max_model_len": 512}})
+    assert a["engine_kwargs"] == {"max_model_len": 512, "additional_config": {"tokenflow": {"default_rate": 12.0}}}
+    assert a["router"]["reader_rate"] == 12.0
+    gpu = resolve_args({"accelerator": "gpu"})
+    assert gpu["replica_num_cpus"] is None and gpu["engine_kwargs"] == {}  # Ray Serve LLM's own defaults

@@ -1,0 +1,75 @@
+"""Every TokenFlow scheduling knob, in one place, with the paper's defaults.
+
+Deployments set these under `tokenflow:` in the app args, which lands in
+`engine_kwargs.additional_config.tokenflow` (see configs/*.yaml).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tokenflow.core.settings import Fraction, NonNegative, Positive, Settings
+
+POLICIES = ("tokenflow", "andes", "fcfs")
+
+
+class TokenFlowConfig(Settings):
+    block = "tokenflow"
+
+    policy: Literal["tokenflow", "andes", "fcfs"] = Field(
+        "tokenflow", description="Which policy decides: tokenflow (the paper), andes (the peer baseline), or fcfs "
+                                 "(the plugin stays out of the way; vLLM decides).")
+    dt: Positive = Field(0.5, description="Reschedule interval in seconds. The paper uses 0.5-1.5 s and finds "
+                                          "shorter slightly better; between reschedules vLLM batches as usual.")
+    mu: float = Field(1.0, ge=1, allow_inf_nan=False,
+                      description="Buffer conservativeness mu >= 1: a running request may be paused only if its "
+                                  "buffer covers mu times its reader's needs while it is away (evict, load, one "
+                                  "interval). The paper tests 1 and 20.")
+    gamma: NonNegative = Field(50.0, description="Weight of the low-buffer penalty gamma * exp(-b / r) in the "
+                                                 "priority, in tokens: what an empty buffer is worth.")
+    working_set_lambda: Fraction = Field(
+        0.5, description="Working-set shrink factor lambda in W_scheduled = W_static - lambda * (W_static - "
+                         "N_running).")
+    recompute_overcommit: NonNegative = Field(
+        1.0, description="Without a host KV tier, how far the working set may exceed device KV memory (as a "
+                         "fraction of it); paused requests beyond it are recomputed.")
+    default_rate: Positive = Field(40.0, description="Reading rate (tokens/s) assumed for requests that state "
+                                                     "none; the paper's prototype default.")
+    max_rate: Positive = Field(10_000.0, description="Largest reading rate (tokens/s) a client may state; beyond "
+                                                     "it the request is rejected.")
+    kv_headroom: Fraction = Field(0.05, description="KV blocks kept free for decode growth when packing the "
+                                                    "running set, as a fraction of the pool.")
+    overload_factor: Positive = Field(1.0, description="Fall back to FCFS when the readers' rates together exceed "
+                                                       "this fraction of the measured decode capacity.")
+    andes_window_s: Positive = Field(2.0, description="Andes: look-ahead window (s).")
+    andes_running_bonus: NonNegative = Field(1.5, description="Andes: bonus for already-running requests.")
+    andes_kv_trigger: Fraction = Field(0.9, description="Andes: the KV usage at which it starts to act.")
+
+    @model_validator(mode="after")
+    def _rates_ordered(self) -> "TokenFlowConfig":
+        if self.default_rate > self.max_rate:
+            raise ValueError(f"default_rate ({self.default_rate:g}) must not exceed max_rate ({self.max_rate:g})")
+        return self
+
+
+DEFAULT_RATE = TokenFlowConfig.model_fields["default_rate"].default
+
+
+def parse_rate(value, cfg: TokenFlowConfig) -> float:
+    """Validate a client-stated consumption rate (tokens/s); None -> default."""
+    if value is None:
+        return cfg.default_rate
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("consumption_rate must be a number (tokens/s)")
+    try:
+        rate = float(value)
+    except ValueError:
+        raise ValueError("consumption_rate must be a number (tokens/s)") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise ValueError("consumption_rate must be a positive, finite number (tokens/s)")
+    if rate > cfg.max_rate:
+        raise ValueError(f"consumption_rate must be at most {cfg.max_rate:g} tokens/s")
+    return rate

@@ -1,0 +1,376 @@
+"""The TokenFlow scheduling policy (paper, "The scheduler"). Pure Python.
+
+Given a snapshot of every live request and of the engine, decide which
+requests hold the accelerator for the next interval: which keep running,
+which pause (keeping their KV or releasing it), which resume, and which
+waiting requests are admitted. The policy owns no engine state; the vLLM
+adapter (tokenflow/engine/scheduler.py) builds the snapshot and applies the result.
+
+Steps, as in the paper:
+ 1. Stress check: act only when paused requests exist, or when vLLM alone
+    would leave someone out: the waiting requests do not all fit in the
+    free sequence slots and KV blocks (less a growth headroom). Otherwise
+    vLLM admits every newcomer in this very step and nothing needs to
+    pause, so TokenFlow costs nothing when nothing contends.
+ 2. Overload fallback: when the readers' required rates exceed the measured
+    decode capacity, resume everything in arrival order (FCFS).
+ 3. Working set: W_static = floor(M / beta); when few run,
+    W_scheduled = W_static - lambda * (W_static - N_running) bounds admission.
+ 4. Pinning, with a hysteresis made of costs, not tuned levels (`Levels`):
+    a paused request must resume once its buffer would not outlast its
+    return (reload or recompute, one step) plus the interval to the next
+    decision, times mu; a running request may be paused only with a buffer
+    above that level by one interval plus the swap's own cost (evict,
+    reload, a step out), so every pause lasts at least one interval.
+ 5. Priority: U_i = (useful tokens in the next dt) + gamma * exp(-b_i / r_i).
+    The paper writes the penalty as a cost of *pausing*; ranking by the
+    value of *running* adds it instead. A running request's U also counts
+    the tokens the engine loses to swapping it out and back (the swap's
+    extra work holds up the whole batch), so two requests swap only when
+    that gains more than it costs. Highest U runs while KV blocks and sequence
+    slots last; of the rest, the largest buffers (in seconds) release KV
+    first.
+ 6. Resume mode: reload from host when its I/O time is below the prefill
+    time of the context, else recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from operator import attrgetter, itemgetter
+
+from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
+from tokenflow.core.config import TokenFlowConfig
+
+# The rank key's first element (step 4 before step 5): requests that must run
+# sort first, incumbents before the paused, each by lowest buffer; the rest
+# follow by priority U.
+KEEP_RUNNING = 0  # running, its buffer at or below the pause level
+MUST_RESUME = 1  # paused, its buffer at or below the resume level
+BY_PRIORITY = 2
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"  # not admitted yet (new, or released and queued)
+    RUNNING = "running"
+    PAUSED = "paused"  # parked by us; `kv_resident` says whether it kept its KV
+
+
+@dataclass(slots=True)  # slots: the policy reads these fields in its hot loop
+class RequestView:
+    req_id: str
+    phase: Phase
+    arrival_time: float
+    rate: float  # reader's tokens/s
+    buffer_tokens: float  # delivered but unread now
+    num_output: int  # tokens generated so far
+    max_tokens: int
+    num_tokens: int  # context length: prompt + generated
+    blocks: int  # KV blocks it needs resident to run
+    kv_resident: bool = False  # its blocks are on the accelerator now
+    host_blocks: int = 0  # of its blocks, how many the host tier holds
+
+    @property
+    def buffer_s(self) -> float:
+        return self.buffer_tokens / self.rate
+
+
+@dataclass
+class EngineView:
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    max_num_seqs: int
+    decode_tps: float | None = None  # measured aggregate decode tokens/s (capacity)
+    step_rate: float | None = None  # measured decode steps/s = tokens/s per request
+    prefill_tps: float | None = None  # measured prefill tokens/s
+    transfer_tps: float | None = None  # host<->device KV tokens/s; None: no offload
+    host_blocks: int = 0  # this engine's share of the host KV pool, in blocks
+
+
+@dataclass
+class Decision:
+    run: list[str] = field(default_factory=list)  # on the accelerator next interval
+    pause_hold: list[str] = field(default_factory=list)  # pause, keep KV
+    pause_release: list[str] = field(default_factory=list)  # pause, free KV
+    admit: list[str] = field(default_factory=list)  # waiting requests let in now
+    # run + admit in the order they get slots and KV: priority order, or
+    # arrival order in the FCFS fallback. vLLM re-admits in this order.
+    order: list[str] = field(default_factory=list)
+    # Waiting requests beyond the working set: kept out of vLLM's queue
+    # until the next decision, so a freed slot does not admit them.
+    defer: list[str] = field(default_factory=list)
+    # Waiting requests not chosen now but within the working set: left in
+    # vLLM's queue, which admits them as slots and KV free up.
+    wait: list[str] = field(default_factory=list)
+    # Released ones resumed by recompute although the host holds their KV:
+    # at the measured speeds, prefill beats the transfer. (The others load
+    # whatever the host holds: vLLM's connector does it unasked.)
+    recompute: list[str] = field(default_factory=list)
+    fallback_fcfs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """The measured costs the pause and resume levels are made of."""
+
+    step_rate: float  # decode steps/s (tokens/s one running request gets)
+    load_per_token: float  # s per context token to bring released KV back (reload, or recompute)
+    swap_per_token: float  # s per context token to release and bring back
+
+    @property
+    def step_s(self) -> float:
+        """One step: the least a request waits to run again."""
+        return 1.0 / self.step_rate
+
+    @classmethod
+    def of(cls, eng: EngineView, dt: float) -> "Levels":
+        step_rate = eng.step_rate or 1.0 / dt  # unknown yet: one step per interval
+        if eng.transfer_tps:  # the host tier: write-back and reload
+            load = 1.0 / eng.transfer_tps
+            swap = 2.0 / eng.transfer_tps
+        else:  # no tier: released KV is recomputed
+            load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+        return cls(step_rate, load, swap)
+
+
+@dataclass(slots=True)
+class Pool:
+    """What one pass over the live requests tells the policy."""
+
+    waiting: list[RequestView]  # in the order given
+    active: list[RequestView]  # running or paused, in the order given
+    required: float  # the active readers' rates, summed
+    n_running: int
+    blocks: int  # KV blocks of all requests, summed
+    waiting_blocks: int  # KV blocks the waiting requests need to start
+
+
+def survey(reqs: list[RequestView]) -> Pool:
+    """Split and count the requests in one pass (it runs over every live
+    request each interval that has something waiting or paused)."""
+    waiting, active = [], []
+    required, n_running, blocks, waiting_blocks = 0.0, 0, 0, 0
+    waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
+    for r in reqs:
+        blocks += r.blocks
+        phase = r.phase
+        if phase is waiting_phase:
+            waiting.append(r)
+            waiting_blocks += r.blocks
+            continue
+        active.append(r)
+        required += r.rate
+        if phase is running:
+            n_running += 1
+    return Pool(waiting, active, required, n_running, blocks, waiting_blocks)
+
+
+@dataclass(slots=True)
+class QueueCounts:
+    """The engine's queues in numbers: what the stress check reads."""
+
+    n_running: int
+    n_waiting: int
+    n_paused: int
+    waiting_blocks: int  # KV blocks the waiting requests need to start
+    free_blocks: int
+    total_blocks: int
+    max_num_seqs: int
+
+
+def contended(q: QueueCounts, kv_headroom: float) -> bool:
+    """Step 1 (the stress check): someone is paused, or the waiting requests
+    do not all fit in the free slots and KV blocks, less the headroom kept
+    for the running requests' growth. Cheap on purpose: the adapter asks it
+    each interval before it builds any snapshot."""
+    if q.n_paused or q.n_running + q.n_waiting > q.max_num_seqs:
+        return True
+    return q.waiting_blocks + math.ceil(kv_headroom * q.total_blocks) > q.free_blocks
+
+
+def fcfs_decision(reqs: list[RequestView]) -> Decision:
+    """Everyone runs or is admitted in arrival order, paused readers (who
+    arrived earlier) before newcomers; vLLM packs memory in that order."""
+    d = Decision(fallback_fcfs=True)
+    for r in sorted(reqs, key=lambda r: r.arrival_time):
+        (d.admit if r.phase == Phase.WAITING else d.run).append(r.req_id)
+        d.order.append(r.req_id)
+    return d
+
+
+class TokenFlowPolicy:
+    def __init__(self, cfg: TokenFlowConfig):
+        self.cfg = cfg
+
+    def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
+        """None means: no stress, leave vLLM's batch as it is."""
+        cfg = self.cfg
+        pool = survey(reqs)
+        counts = QueueCounts(pool.n_running, len(pool.waiting), len(pool.active) - pool.n_running,
+                             pool.waiting_blocks, eng.free_blocks, eng.total_blocks, eng.max_num_seqs)
+        if not self.needs_decision(counts):
+            return None
+        if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
+            return fcfs_decision(reqs)
+        room = self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng)
+        # The earliest arrivals get the room; the rest are deferred.
+        by_arrival = sorted(pool.waiting, key=attrgetter("arrival_time"))
+        newcomers, deferred = by_arrival[:room], by_arrival[room:]
+        candidates = pool.active + newcomers
+        # sorted() is stable: equal keys keep the order of `candidates`.
+        chosen = self.pack(self.rank(candidates, eng), eng)
+        return self.to_decision(pool, chosen, deferred, eng)
+
+    def needs_decision(self, q: QueueCounts) -> bool:
+        return contended(q, self.cfg.kv_headroom)
+
+    # --- pieces -----------------------------------------------------------
+    def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:
+        """How many waiting requests may join the working set now (step 3)."""
+        cfg = self.cfg
+        # beta: the mean footprint of the requests we hold now, plus what one
+        # interval of decoding adds to it.
+        beta = max(1.0, mean_blocks + (eng.step_rate or 1.0) * cfg.dt / eng.block_size)
+        # The working set may exceed device memory: the excess lives in the
+        # host pool, or (without offload) is recomputed on resume.
+        if eng.transfer_tps:
+            memory = eng.total_blocks + eng.host_blocks
+        else:
+            memory = eng.total_blocks * (1 + cfg.recompute_overcommit)
+        w_static = max(1, math.floor(memory / beta))
+        w_sched = w_static
+        if n_running < eng.max_num_seqs:
+            w_sched = w_static - cfg.working_set_lambda * (w_static - n_running)
+        # Never fewer than one newcomer when nothing runs, or the engine idles.
+        return max(0 if n_running else 1, math.floor(w_sched) - n_current)
+
+    def rank(self, candidates: list[RequestView], eng: EngineView) -> list[RequestView]:
+        """Steps 4 and 5: requests that must keep running, then those that
+        must resume, each lowest buffer first; then the rest by priority U,
+        highest first. Sorts are stable: equal keys keep the given order."""
+        key = self.rank_key_fn(eng)
+        tiers: tuple[list, list, list] = ([], [], [])
+        add = [t.append for t in tiers]
+        for r in candidates:
+            tier, value = key(r)
+            add[tier]((value, r))
+        first, ranked = itemgetter(0), []
+        for t in tiers:
+            t.sort(key=first)
+            ranked.extend(map(itemgetter(1), t))
+        return ranked
+
+    def rank_key_fn(self, eng: EngineView):
+        """Sort key (ascending): (KEEP_RUNNING or MUST_RESUME, buffer in
+        seconds) for requests that must run (step 4), else (BY_PRIORITY, -U)
+        (step 5). It runs once per candidate per decision, so the constants
+        are bound here and the clamps are comparisons, not min()/max()."""
+        cfg = self.cfg
+        dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
+        lv = Levels.of(eng, dt)
+        step, load, swap = lv.step_s, lv.load_per_token, lv.swap_per_token
+        speed_dt = lv.step_rate * dt
+        # A swap's extra work holds up the whole batch, so it costs the
+        # engine's tokens/s, not one request's.
+        capacity = eng.decode_tps or lv.step_rate
+        exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
+
+        def key(r: RequestView) -> tuple[int, float]:
+            rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
+            if phase is running:
+                # Mid-prefill requests never pause: the work done would be
+                # lost. The pause level: back in time (released, the worst
+                # case) for one more interval, plus the swap's cost.
+                swap_s = n * swap + step
+                if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
+                    return KEEP_RUNNING, b / rate
+                bonus = swap_s * capacity  # tokens the engine loses to the swap
+            elif phase is paused:
+                back = step if r.kv_resident else n * load + step
+                if b < rate * mu * (back + dt):  # the resume level
+                    return MUST_RESUME, b / rate
+                bonus = 0.0
+            else:
+                bonus = 0.0
+            # useful = min(speed_dt, max(0.0, x)), with the builtins' tie rules.
+            useful = high * r.max_tokens - b + rate * dt
+            useful = useful if useful > 0.0 else 0.0
+            useful = useful if useful < speed_dt else speed_dt
+            return BY_PRIORITY, -(useful + gamma * exp(-b / rate) + bonus)
+
+        return key
+
+    def must_run(self, r: RequestView, eng: EngineView) -> bool:
+        return self.rank_key_fn(eng)(r)[0] != BY_PRIORITY
+
+    def priority(self, r: RequestView, eng: EngineView) -> float:
+        """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
+        tier, value = self.rank_key_fn(eng)(r)
+        return -value if tier == BY_PRIORITY else math.inf
+
+    def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
+        """Take requests in order while sequence slots and KV blocks last."""
+        budget = eng.total_blocks - math.ceil(self.cfg.kv_headroom * eng.total_blocks)
+        grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
+        slots, waiting = eng.max_num_seqs, Phase.WAITING
+        chosen, used = [], 0
+        for r in ordered:
+            need = r.blocks if r.phase is waiting else r.blocks + grow
+            if used + need > budget and chosen:
+                continue
+            chosen.append(r)
+            used += need
+            if len(chosen) >= slots:
+                break
+        return chosen
+
+    def to_decision(self, pool: Pool, chosen: list[RequestView], deferred: list[RequestView],
+                    eng: EngineView) -> Decision:
+        d = Decision(defer=[r.req_id for r in deferred])
+        waiting = Phase.WAITING
+        need = 0  # blocks the chosen must still get on the device
+        for r in chosen:  # in priority order: vLLM preempts from the tail
+            d.order.append(r.req_id)
+            if r.phase is waiting:
+                d.admit.append(r.req_id)
+                need += r.blocks
+                continue
+            d.run.append(r.req_id)
+            if not r.kv_resident:
+                need += r.blocks
+                if self.resume_mode(r, eng) == "recompute":
+                    d.recompute.append(r.req_id)
+        chosen_ids = set(d.run)
+        chosen_ids.update(d.admit)
+        chosen_ids.update(d.defer)
+        # The pool keeps the given order, which the unchosen keep too.
+        d.wait = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
+        losers = [r for r in pool.active if r.req_id not in chosen_ids]
+        # Unchosen resident requests free KV only as far as the chosen need
+        # it, largest buffers (in seconds of reading) first; the rest pause
+        # holding their blocks.
+        free = eng.free_blocks
+        losers.sort(key=attrgetter("buffer_s"), reverse=True)
+        for r in losers:
+            if not r.kv_resident:
+                d.pause_release.append(r.req_id)  # already released: stays so
+            elif free < need:
+                d.pause_release.append(r.req_id)
+                free += r.blocks
+            else:
+                d.pause_hold.append(r.req_id)
+        return d
+
+    def resume_mode(self, r: RequestView, eng: EngineView) -> str | None:
+        """How a released request comes back (step 6): "reload" when moving
+        its host blocks beats prefilling its context, else "recompute". None
+        when there is nothing to weigh (no transfer measured yet, or nothing
+        on the host): vLLM then loads whatever the host holds."""
+        if not eng.transfer_tps or r.host_blocks == 0:
+            return None
+        t_io = r.host_blocks * eng.block_size / eng.transfer_tps
+        t_prefill = r.num_tokens / eng.prefill_tps if eng.prefill_tps else math.inf
+        return "reload" if t_io < t_prefill else "recompute"

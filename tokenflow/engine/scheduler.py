@@ -1,0 +1,415 @@
+"""The vLLM V1 scheduler plugin: a thin adapter between vLLM and the policy.
+
+Enable with engine args
+    scheduler_cls: tokenflow.engine.scheduler.TokenFlowScheduler        # CPU / sync
+    scheduler_cls: tokenflow.engine.scheduler.TokenFlowAsyncScheduler   # GPU, async scheduling
+    additional_config: {tokenflow: {policy: tokenflow, dt: 0.5, ...}}
+
+Every `dt` seconds the adapter snapshots the requests, asks the policy, and
+applies its answer by moving requests between vLLM's queues and its own
+parking lots; between decisions vLLM batches as usual. A pause either keeps
+the request's KV blocks (it just leaves `running`) or releases them (vLLM's
+own preemption; on resume vLLM re-admits it, reloading KV from the offload
+connector or recomputing). Parked requests still count as unfinished and
+are handled on abort.
+
+Under async scheduling (the GPU loop) the policy acts while every running
+request has a step in flight; both pauses are applied anyway:
+- release goes through vLLM's `_preempt_request`, which marks the in-flight
+  output stale: its token is still delivered and kept, and the resumed
+  request recomputes from zero, so the token is neither lost nor doubled;
+- hold just leaves the next batch, as a running request that vLLM's token
+  budget leaves out does: its in-flight token lands as usual, and when it
+  runs again vLLM sends the runner its full token list (it was not in the
+  previous step).
+A parked request is put back only once no step of it is in flight (the
+resume waits a step otherwise), so a resumed request never overtakes its
+own output. tests/vllm_loop.py drives vLLM's real loop to check all this.
+
+This module is the only one (with tokenflow/kv_offload/) that touches vLLM internals.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from tokenflow.core.andes import AndesPolicy
+from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.core.config import TokenFlowConfig, parse_rate
+from tokenflow.core.meters import EngineMeters
+from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
+from tokenflow.core.sched_state import SchedulerState, SchedulerStats
+from tokenflow.engine import core_utility  # noqa: F401  (the replica's way in: an EngineCore utility)
+from tokenflow.kv_offload.tier import host_tier_of
+
+logger = logging.getLogger(__name__)
+
+
+def make_policy(cfg: TokenFlowConfig):
+    if cfg.policy == "tokenflow":
+        return TokenFlowPolicy(cfg)
+    if cfg.policy == "andes":
+        return AndesPolicy(cfg)
+    return None  # fcfs: vLLM decides alone
+
+
+class TokenFlowMixin:
+    """Buffer-aware preemption on top of a vLLM Scheduler subclass."""
+
+    clock = staticmethod(time.monotonic)  # tests inject a fake clock
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self.vllm_config.additional_config or {}
+        self.tf_config = TokenFlowConfig.from_dict(extra.get("tokenflow"))
+        self.policy = make_policy(self.tf_config)
+        self.readers: dict[str, ReaderBuffer] = {}
+        self.held: dict[str, Request] = {}  # paused, KV kept
+        self.released: dict[str, Request] = {}  # paused, KV freed
+        # Waiting, beyond the working set: out of vLLM's queue until the next
+        # decision (a freed slot would admit them otherwise).
+        self.deferred: dict[str, Request] = {}
+        self.meters = EngineMeters.new()
+        self.tf_stats = SchedulerStats()
+        self._next_decision = 0.0
+        # When each step in flight was scheduled (two at once under async
+        # scheduling), and when the last step's output came in.
+        self._scheduled_at: deque[float] = deque(maxlen=8)
+        self._last_output_at: float | None = None
+        # Resumes decided while a step of the request was still in flight.
+        self._resume_next: list[str] = []
+        # (requests seen, wall seconds) of each recent decision, the
+        # snapshot, the policy and the apply together.
+        self.reschedule_seconds: deque[tuple[int, float]] = deque(maxlen=4096)
+        self._seen_output: dict[str, int] = {}
+        self._computed_at_release: dict[str, int] = {}
+        # The host KV tier (None without one); the connector is fixed for
+        # the engine's life, so look once.
+        self.host_tier = host_tier_of(self.connector)
+        if self.host_tier is not None:
+            self.host_tier.prioritise_stores(self._buffer_seconds_of)
+        logger.info("TokenFlow scheduler: %s", self.tf_config)
+
+    # --- vLLM hooks -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        value = (extra or {}).get("consumption_rate")
+        try:
+            rate = parse_rate(value, self.tf_config)
+        except ValueError:
+            # The HTTP layer rejects bad rates with a 400; a direct engine
+            # user gets the default rather than a dead engine.
+            logger.warning("request %s: bad consumption_rate %r, using default", request.request_id, value)
+            rate = self.tf_config.default_rate
+        self.readers[request.request_id] = ReaderBuffer(rate=rate, arrival_time=self.clock())
+        self._seen_output[request.request_id] = 0
+
+    def schedule(self, *args, **kwargs):
+        now = self.clock()
+        if self._resume_next:
+            self._resume(self._resume_next)
+        if self.policy is not None and now >= self._next_decision:
+            self._next_decision = now + self.tf_config.dt
+            self._reschedule(now)
+        self._scheduled_at.append(now)
+        out = super().schedule(*args, **kwargs)
+        if self._computed_at_release:
+            self._count_recompute(out)
+        self.tf_stats.max_running = max(self.tf_stats.max_running, len(self.running))
+        used = self.kv_cache_config.num_blocks - self.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.tf_stats.max_blocks_used = max(self.tf_stats.max_blocks_used, used)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        now = self.clock()
+        self._measure_step(scheduler_output, now)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self._observe(req_id, now)
+        return result
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus):
+        # Put parked requests back where vLLM expects them, then let vLLM
+        # finish them as usual (it frees blocks and reports the abort).
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or self.requests)
+        for req_id in ids:
+            if (req := self.held.pop(req_id, None)) is not None:
+                self.running.append(req)
+            elif (req := self.released.pop(req_id, None)) is not None:
+                self.waiting.prepend_request(req)
+            elif (req := self.deferred.pop(req_id, None)) is not None:
+                self.waiting.add_request(req)
+        done = super().finish_requests(ids, finished_status)
+        for req in done:
+            self._forget(req.request_id)
+        return done
+
+    def get_request_counts(self) -> tuple[int, int]:
+        # Parked requests are unfinished: count them as waiting, or the
+        # engine loop would go idle with paused work outstanding.
+        running, waiting = super().get_request_counts()
+        return running, waiting + len(self.held) + len(self.released) + len(self.deferred)
+
+    # --- bookkeeping ------------------------------------------------------
+    def _observe(self, req_id: str, now: float) -> None:
+        reader = self.readers.get(req_id)
+        if reader is None:
+            return
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished():
+            self._forget(req_id)
+            return
+        n = req.num_output_tokens
+        new = n - self._seen_output[req_id]
+        if new > 0:
+            reader.on_tokens(now, new)
+            self._seen_output[req_id] = n
+
+    def _count_recompute(self, out) -> None:
+        """On a released request's first step back, what it had to recompute:
+        KV computed at the pause minus what the cache or host pool restored."""
+        for req_id, n in out.num_scheduled_tokens.items():
+            at_release = self._computed_at_release.pop(req_id, None)
+            if at_release is None:
+                continue
+            restored = self.requests[req_id].num_computed_tokens - n
+            self.tf_stats.resumed_after_release += 1
+            self.tf_stats.tokens_recomputed += max(0, at_release - restored)
+
+    def _forget(self, req_id: str) -> None:
+        self._computed_at_release.pop(req_id, None)
+        self.readers.pop(req_id, None)
+        self._seen_output.pop(req_id, None)
+        self.held.pop(req_id, None)
+        self.released.pop(req_id, None)
+        self.deferred.pop(req_id, None)
+
+    def _measure_step(self, scheduler_output, now: float) -> None:
+        """A step ran from when it was scheduled or when the previous step's
+        output came in, whichever is later: under async scheduling step N+1
+        is scheduled before step N ends, and steps then follow back to back."""
+        scheduled = self._scheduled_at.popleft() if self._scheduled_at else None
+        last, self._last_output_at = self._last_output_at, now
+        if scheduled is None or not scheduler_output.total_num_scheduled_tokens:
+            return
+        start = scheduled if last is None else max(scheduled, last)
+        counts = scheduler_output.num_scheduled_tokens.values()
+        decode = sum(1 for n in counts if n == 1)
+        prefill = sum(n for n in counts if n > 1)
+        self.meters.on_step(now - start, decode, prefill)
+
+    # --- the decision -----------------------------------------------------
+    def _blocks(self, num_tokens: int) -> int:
+        """KV blocks a request of num_tokens needs to take one more step:
+        ceil((num_tokens + 1) / block_size)."""
+        return (num_tokens + self.block_size) // self.block_size
+
+    def _views(self, reqs, phase: Phase, now: float, resident: bool, out: list[RequestView]) -> None:
+        """A RequestView per request that has a reader. It runs over every
+        live request each decision, so lookups are bound once, positional
+        arguments are used."""
+        readers, blocks, view = self.readers, self._blocks, RequestView
+        host = self.host_tier.request_blocks if self.host_tier is not None and not resident else None
+        waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED) if phase is Phase.WAITING else None
+        for req in reqs:
+            req_id = req.request_id
+            reader = readers.get(req_id)
+            if reader is None or (waiting_ok is not None and req.status not in waiting_ok):
+                continue
+            n = req.num_tokens
+            out.append(view(req_id, phase, reader.arrival_time, reader.rate, reader.buffer(now),
+                            req.num_output_tokens, req.max_tokens, n, blocks(n), resident,
+                            host(req_id) if host else 0))
+
+    def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
+        views: list[RequestView] = []
+        self._views(self.running, Phase.RUNNING, now, True, views)
+        self._views(self.held.values(), Phase.PAUSED, now, True, views)
+        self._views(self.released.values(), Phase.PAUSED, now, False, views)
+        self._views(self.waiting, Phase.WAITING, now, False, views)
+        m, tier = self.meters, self.host_tier
+        eng = EngineView(
+            block_size=self.block_size,
+            total_blocks=self.kv_cache_config.num_blocks,
+            free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            max_num_seqs=self.max_num_running_reqs,
+            decode_tps=m.decode_capacity,
+            step_rate=m.step_rate.value,
+            prefill_tps=m.prefill_speed,
+            transfer_tps=tier.transfer_tps() if tier is not None else None,
+            host_blocks=tier.capacity_blocks() if tier is not None else 0,
+        )
+        return views, eng
+
+    def _buffer_seconds_of(self, req_id: str) -> float:
+        reader = self.readers.get(req_id)
+        return reader.buffer_seconds(self.clock()) if reader is not None and reader.delivered else 0.0
+
+    def _queue_counts(self) -> QueueCounts:
+        """The queues in numbers, without a snapshot of every request."""
+        waiting_blocks = sum(self._blocks(r.num_tokens) for r in self.waiting)
+        return QueueCounts(len(self.running), len(self.waiting), len(self.held) + len(self.released),
+                           waiting_blocks, self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                           self.kv_cache_config.num_blocks, self.max_num_running_reqs)
+
+    def _reschedule(self, now: float) -> None:
+        self._undefer()  # each decision weighs every waiting request afresh
+        if not self.policy.needs_decision(self._queue_counts()):
+            return  # nothing contends: vLLM admits every newcomer this step
+        t0 = time.perf_counter()
+        views, eng = self.snapshot(now)
+        if not views:
+            return
+        t1 = time.perf_counter()
+        decision = self.policy.decide(views, eng)
+        self.tf_stats.decision_seconds += time.perf_counter() - t1
+        if decision is not None:
+            self.tf_stats.decisions += 1
+            self.tf_stats.fallbacks += decision.fallback_fcfs
+            self._apply(decision, now)
+        # The whole cost on the step: snapshot, policy and apply.
+        self.reschedule_seconds.append((len(views), time.perf_counter() - t0))
+
+    def _apply(self, d: Decision, now: float) -> None:
+        by_id = {r.request_id: r for r in self.running}
+        stamp = time.monotonic()
+        stats = self.tf_stats
+        for req_id in d.pause_hold:
+            if req_id in self.held:
+                continue  # already held: stays so
+            req = by_id.get(req_id)
+            if req is None or not self._pausable(req):
+                stats.pauses_skipped += 1
+                continue
+            self.running.remove(req)  # left out of the next batch; KV kept
+            self.held[req_id] = req
+            stats.pauses_hold += 1
+            stats.pauses_in_flight += self._in_flight(req)
+        for req_id in d.pause_release:
+            if req_id in self.released:
+                continue  # already released: stays so
+            req = by_id.get(req_id) or self.held.get(req_id)
+            if req is None or not self._pausable(req):
+                stats.pauses_skipped += 1
+                continue  # a held one stays held
+            if self.held.pop(req_id, None) is None:
+                self.running.remove(req)
+            stats.pauses_in_flight += self._in_flight(req)
+            self._computed_at_release[req_id] = req.num_computed_tokens
+            # vLLM's own preemption: frees the blocks, resets the request to
+            # recompute, marks any in-flight output stale, queues it in
+            # `waiting` (taken out again: parked until resumed).
+            self._preempt_request(req, stamp)
+            self.waiting.remove_request(req)
+            self.released[req_id] = req
+            stats.pauses_release += 1
+        if self.host_tier is not None:
+            for req_id in d.recompute:  # its next lookup then reports no host hit
+                self.host_tier.recompute(req_id)
+        self._resume(d.order)
+        self._defer(d.defer)
+
+    def _defer(self, req_ids: list[str]) -> None:
+        """Take the working set's overflow out of `waiting` (in one pass)."""
+        if not req_ids:
+            return
+        queued = {r.request_id: r for r in self.waiting}
+        reqs = [req for i in req_ids if (req := queued.get(i)) is not None]
+        if reqs:
+            self.waiting.remove_requests(reqs)
+            self.deferred.update((req.request_id, req) for req in reqs)
+
+    def _undefer(self) -> None:
+        """Deferred requests back to the tail of `waiting`, in arrival order."""
+        for req in self.deferred.values():
+            self.waiting.add_request(req)
+        self.deferred.clear()
+
+    def _pausable(self, req: Request) -> bool:
+        """Running, and past its prompt (a prefill chunk may be in flight
+        then; a step of decode in flight is fine, see the module doc)."""
+        return req.status == RequestStatus.RUNNING and req.num_output_tokens > 0
+
+    @staticmethod
+    def _in_flight(req: Request) -> bool:
+        """A step of it is scheduled and its output not in yet (async)."""
+        return req.num_in_flight_tokens > 0
+
+    def _resume(self, order: list[str]) -> None:
+        """Put the chosen back in `order`: held ones into `running` while
+        slots last, released ones and admitted newcomers to the head of
+        `waiting` (ahead of those not chosen), in that order."""
+        rank = {req_id: i for i, req_id in enumerate(order)}
+        waiting = {r.request_id: r for r in self.waiting}
+        to_queue = []
+        self._resume_next = []
+        for req_id in order:
+            if (req := waiting.get(req_id)) is not None:
+                self.waiting.remove_request(req)
+                to_queue.append(req)
+                continue
+            parked = self.held.get(req_id) or self.released.get(req_id)
+            if parked is None:
+                continue
+            if self._in_flight(parked):
+                # Its last step's output is not in yet; under async
+                # scheduling it will be by the next schedule().
+                self._resume_next.append(req_id)
+                self.tf_stats.resumes_delayed += 1
+            elif req_id in self.held:
+                if len(self.running) < self.max_num_running_reqs:
+                    self.running.append(self.held.pop(req_id))
+                    self.tf_stats.resumes += 1
+            else:
+                to_queue.append(self.released.pop(req_id))
+                self.tf_stats.resumes += 1
+        # vLLM re-admits from the front of the queue.
+        for req in reversed(to_queue):
+            self.waiting.prepend_request(req)
+        # vLLM preempts from the tail of `running` when blocks run out, so
+        # keep the policy's order: its lowest priority goes first.
+        self.running.sort(key=lambda r: rank.get(r.request_id, -1))
+
+
+    def scheduler_state(self) -> SchedulerState:
+        """What the engine replica reads (router push, metrics)."""
+        now = self.clock()
+        running = [r for r in self.running if r.request_id in self.readers]
+        buffers = [self.readers[r.request_id].buffer_seconds(now) for r in running
+                   if self.readers[r.request_id].delivered]
+        tier = self.host_tier
+        kv = self.kv_cache_manager.block_pool
+        parked = (*self.held, *self.released)
+        return SchedulerState(
+            policy=self.tf_config.policy,
+            running=len(self.running),
+            waiting=len(self.waiting) + len(self.kv_holding_waiting) + len(self.deferred),
+            paused_hold=len(self.held),
+            paused_release=len(self.released),
+            buffer_s_min=min(buffers, default=None),
+            buffer_s_sum=sum(buffers),
+            buffer_s=buffers,
+            required_rate=sum(self.readers[r.request_id].rate for r in running)
+            + sum(self.readers[i].rate for i in parked if i in self.readers),
+            decode_tps=self.meters.decode_capacity,
+            kv_free_blocks=kv.get_num_free_blocks(),
+            kv_total_blocks=self.kv_cache_config.num_blocks,
+            host_pool_blocks=tier.capacity_blocks() if tier is not None else 0,
+            stats=SchedulerStats(**vars(self.tf_stats)),  # a copy: the totals go on changing
+            offload=tier.counters() if tier is not None else None,
+        )
+
+
+class TokenFlowScheduler(TokenFlowMixin, Scheduler):
+    """For synchronous scheduling (the CPU backend forces it)."""
+
+
+class TokenFlowAsyncScheduler(TokenFlowMixin, AsyncScheduler):
+    """For async scheduling (vLLM's default on GPU)."""

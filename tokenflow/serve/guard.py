@@ -1,0 +1,276 @@
+"""The ingress's front door: optional API keys, a bounded admission count and
+a request-body size limit, as one pure ASGI middleware.
+
+Installed by tokenflow/serve/app.py on the OpenAI ingress's FastAPI app, outside
+every other middleware, so a refused request never reaches the OpenAI
+handlers, the request router or an engine.
+
+API keys (off unless configured; never in the YAML):
+  TOKENFLOW_API_KEYS       comma-separated keys
+  TOKENFLOW_API_KEYS_FILE  a file with one key per line ('#' lines and blank
+                           lines are skipped)
+Both are read in the ingress replica when it builds its middleware, i.e. from
+the environment Ray gives the replica (the environment of the process that
+started Ray, or `env`/runtime_env). With at least one key, every /v1/ request
+needs `Authorization: Bearer <key>`; otherwise HTTP 401. /health stays open.
+A configured but unreadable or empty key file refuses all /v1/ traffic (fail
+closed) rather than silently serving without auth.
+
+Admission (app arg `admission`, AdmissionSettings):
+  max_ongoing_requests  POSTs to /v1/ in flight at once in one ingress
+                        replica (admitted: running or queued in an engine).
+                        Beyond it: HTTP 429 + Retry-After. None: unbounded.
+  retry_after_s         the Retry-After value (seconds, rounded up)
+  max_body_bytes        larger request bodies get HTTP 413
+  max_n                 largest `n` (choices per request) on the JSON
+                        generation routes; larger: HTTP 400 (vLLM itself
+                        accepts any n, one sequence each: n=1000 is 1000x work)
+A POST to /v1/ whose Content-Type is neither JSON nor a form gets HTTP 415
+(FastAPI would otherwise hand the handler bytes and answer 500).
+Ray Serve's own `max_queued_requests` on the engine deployment makes the
+ingress's handle raise BackPressureError, which reaches clients as HTTP 503;
+this middleware rewrites such a 503 to 429 with Retry-After as well.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+import os
+from typing import Iterable, Optional
+
+from pydantic import Field
+
+from tokenflow.core.settings import Amount, Count, Positive, Settings
+
+KEYS_ENV = "TOKENFLOW_API_KEYS"
+KEYS_FILE_ENV = "TOKENFLOW_API_KEYS_FILE"
+PROTECTED_PREFIX = "/v1"
+# JSON routes where `n` multiplies the work.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ACCEPTED_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
+
+
+class AdmissionSettings(Settings):
+    """The `admission:` block of the app args: the ingress's front door.
+    API keys are never here: they come only from the environment
+    (TOKENFLOW_API_KEYS or TOKENFLOW_API_KEYS_FILE)."""
+
+    block = "admission"
+
+    max_ongoing_requests: Count | None = Field(256, description="POSTs to /v1/ in flight per ingress replica; "
+                                                                "beyond it: 429 with Retry-After. null: no bound.")
+    retry_after_s: Positive = Field(1.0, description="The Retry-After of a 429 (s, rounded up).")
+    max_body_bytes: Count = Field(8 * 2**20, description="Larger request bodies get 413.")
+    max_n: Count = Field(16, description="Larger `n` (choices per request) gets 400.")
+    max_resends: Amount = Field(2, description="Re-sends of a request whose engine replica died before its first "
+                                               "token (tokenflow/serve/failover.py).")
+
+
+class KeyFileError(RuntimeError):
+    pass
+
+
+def load_api_keys(environ=None) -> Optional[frozenset]:
+    """The configured keys, or None when auth is off.
+
+    Raises KeyFileError when TOKENFLOW_API_KEYS_FILE is set but cannot be read
+    or holds no key (the caller fails closed)."""
+    environ = os.environ if environ is None else environ
+    keys = set()
+    configured = False
+    raw = environ.get(KEYS_ENV)
+    if raw is not None and raw.strip():
+        configured = True
+        keys.update(k.strip() for k in raw.split(",") if k.strip())
+    path = environ.get(KEYS_FILE_ENV)
+    if path:
+        configured = True
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys.update(line.strip() for line in f
+                            if line.strip() and not line.strip().startswith("#"))
+        except OSError as e:
+            raise KeyFileError(f"{KEYS_FILE_ENV}={path!r} cannot be read: {e}") from None
+        if not keys:
+            raise KeyFileError(f"{KEYS_FILE_ENV}={path!r} holds no key")
+    return frozenset(keys) if configured else None
+
+
+def error_body(message: str, type_: str, code: int, param: Optional[str] = None) -> bytes:
+    # The shape OpenAI clients parse: {"error": {"message", "type", "param", "code"}}
+    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+
+
+async def send_error(send, status: int, message: str, type_: str,
+                     headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    body = error_body(message, type_, status)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class TokenFlowGuard:
+    """Pure ASGI middleware (no response buffering, streams pass through)."""
+
+    def __init__(self, app, admission: Optional[dict] = None, api_keys: Optional[Iterable[str]] = None,
+                 environ=None):
+        self.app = app
+        self.settings = AdmissionSettings.from_dict(admission)
+        self.key_error: Optional[str] = None
+        if api_keys is not None:
+            self.keys = frozenset(api_keys)
+        else:
+            try:
+                self.keys = load_api_keys(environ)
+            except KeyFileError as e:
+                self.keys, self.key_error = frozenset(), str(e)
+        self.ongoing = 0
+        retry = str(max(1, math.ceil(self.settings.retry_after_s))).encode()
+        self._retry_header = (b"retry-after", retry)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.keys is not None
+
+    def _authorized(self, scope) -> bool:
+        if self.keys is None:
+            return True
+        if not self.keys:  # fail closed: a key file was configured but unusable
+            return False
+        header = b""
+        for name, value in scope.get("headers") or ():
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.decode("latin-1").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        token_b = token.strip().encode("utf-8", "surrogateescape")
+        ok = False
+        for key in self.keys:  # compare against every key: no early exit by key
+            ok |= hmac.compare_digest(token_b, key.encode("utf-8"))
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if not (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")):
+            return await self.app(scope, receive, send)
+        if not self._authorized(scope):
+            msg = ("API key configuration error on the server" if self.key_error
+                   else "Missing or invalid API key: send 'Authorization: Bearer <key>'")
+            return await send_error(send, 401, msg, "AuthenticationError",
+                                    [(b"www-authenticate", b"Bearer")])
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+
+        limit = self.settings.max_body_bytes
+        for name, value in scope.get("headers") or ():
+            if name == b"content-type":
+                ctype = value.decode("latin-1").split(";")[0].strip().lower()
+                if ctype and not (ctype in ACCEPTED_TYPES or ctype.endswith("+json")):
+                    return await send_error(send, 415, f"Unsupported Content-Type {ctype!r}: send application/json",
+                                            "UnsupportedMediaTypeError")
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    return await send_error(send, 413, f"Request body larger than {limit} bytes",
+                                            "RequestTooLargeError")
+        # Admission before reading the body: an overloaded server reads nothing.
+        cap = self.settings.max_ongoing_requests
+        if cap is not None and self.ongoing >= cap:
+            return await send_error(
+                send, 429, f"Server overloaded: {self.ongoing} requests in flight (limit {cap}); retry later",
+                "RateLimitError", [self._retry_header])
+        self.ongoing += 1
+        try:
+            try:
+                body = await self._read_body(receive, limit)
+            except _TooLarge:
+                return await send_error(send, 413, f"Request body larger than {limit} bytes",
+                                        "RequestTooLargeError")
+            if body is None:  # client went away while sending
+                return
+            if (problem := self._check_n(path, body)) is not None:
+                return await send_error(send, 400, problem, "BadRequestError")
+            return await self.app(scope, self._replay(body, receive), self._backpressure_to_429(send))
+        finally:
+            self.ongoing -= 1
+
+    def _check_n(self, path: str, body: bytes) -> Optional[str]:
+        if path not in GENERATION_PATHS or b'"n"' not in body:
+            return None
+        try:
+            n = json.loads(body).get("n")
+        except (ValueError, AttributeError):
+            return None  # not a JSON object: the app answers with its own 400
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.settings.max_n:
+            return f"n must be at most {self.settings.max_n}, got {n}"
+        return None
+
+    @staticmethod
+    async def _read_body(receive, limit: int) -> Optional[bytes]:
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge()
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    @staticmethod
+    def _replay(body: bytes, receive):
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: disconnect notifications
+        return replay
+
+    def _backpressure_to_429(self, send):
+        """Serve's BackPressureError (engine max_queued_requests) arrives as a
+        503 JSON error; hold a 503's start until its body shows whether it is
+        that, then send 429 + Retry-After instead."""
+        held = None
+
+        async def wrapped(message):
+            nonlocal held
+            if message["type"] == "http.response.start" and message.get("status") == 503:
+                held = message
+                return
+            if held is not None and message["type"] == "http.response.body":
+                start, held = held, None
+                body = message.get("body", b"")
+                if b"backpressure" in body.lower() and not message.get("more_body", False):
+                    return await send_error(
+                        send, 429, "Server overloaded: engine queues are full; retry later",
+                        "RateLimitError", [self._retry_header])
+                await send(start)
+            await send(message)
+        return wrapped
+
+
+def install(app, admission: Optional[dict] = None) -> None:
+    """Add the guard to a FastAPI/Starlette app as its outermost middleware.
+    Keys are read later, in the process that serves the app."""
+    AdmissionSettings.from_dict(admission)  # fail at build time on a bad block
+    app.add_middleware(TokenFlowGuard, admission=dict(admission or {}))

@@ -1,0 +1,98 @@
+"""The OpenAI ingress: ray.serve.llm's OpenAI API, re-sends of requests
+whose engine died before their first token (failover.py), GET /health, and
+GET /v1/tokenflow/engines (what the slack routing sees).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional
+
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.llm.ingress import OpenAiIngress
+
+from tokenflow.serve import failover, kv_pool
+from tokenflow.serve.ray_private import DEFAULT_ENDPOINTS
+from tokenflow.serve.routing import board, ranking
+
+logger = logging.getLogger("ray.serve")
+
+
+# Routes added to ray.serve.llm's OpenAI endpoints (method name -> route).
+TOKENFLOW_ENDPOINTS = {
+    **DEFAULT_ENDPOINTS,
+    "health": lambda app: app.get("/health"),
+    "tokenflow_engines": lambda app: app.get("/v1/tokenflow/engines"),
+}
+
+
+class TokenFlowIngress(OpenAiIngress):
+    """ray.serve.llm's OpenAI ingress plus GET /health and GET /v1/tokenflow/engines."""
+
+    def __init__(self, llm_deployments, model_cards, *, tokenflow_router: Optional[dict] = None,
+                 max_resends: int = 2, **kwargs):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        self._tf_settings = ranking.RoutingSettings.from_dict(tokenflow_router)
+        self._tf_max_resends = max_resends
+        self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
+        self._tf_actor = None
+        # Serve creates a handle's request router on its first call. Make one
+        # call now, so the router has read the engines' states before the
+        # first user request instead of routing it blind.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for handle in self._default_serve_handles.values():
+            loop.create_task(self._warm_up(handle))
+
+    @staticmethod
+    async def _warm_up(handle) -> None:
+        try:
+            await handle.llm_config.remote()
+        except Exception as e:  # only a head start; requests work without it
+            logger.info(f"TokenFlow ingress: router warm-up call failed: {e!r}")
+
+    async def _get_response(self, *, body, call_method: str, raw_request=None):
+        # A replica that dies under a request: re-send it if no token went
+        # out yet, else end the stream with an error event (failover.py).
+        def open_stream():
+            return super(TokenFlowIngress, self)._get_response(
+                body=body, call_method=call_method, raw_request=raw_request)
+
+        async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost):
+            yield item
+
+    def _tf_on_lost(self, outcome: str) -> None:
+        self._tf_lost[outcome] += 1
+
+    async def health(self):
+        # The ingress answers; engine liveness is Serve's health checks' job.
+        return {"status": "ok"}
+
+    async def tokenflow_engines(self):
+        """Every engine's pushed state as the state board holds it (age,
+        freshness, slack), and the view of each request router in this
+        ingress process (pending sends, routing latency, state age)."""
+        app = serve.get_replica_context().app_name
+        try:
+            if self._tf_actor is None:
+                self._tf_actor = await asyncio.to_thread(board.get_board, app)
+            snap = await asyncio.wait_for(self._tf_actor.snapshot.remote(), timeout=5)
+        except Exception as e:
+            self._tf_actor = None
+            return JSONResponse({"error": f"state board unreachable: {e!r}"}, status_code=503)
+        table = ranking.RoutingTable(self._tf_settings)
+        table.update(snap)
+        try:
+            pools = await kv_pool.pool_stats()
+        except Exception as e:
+            pools = {"error": repr(e)}
+        return {"app": app, "state_board": board.board_name(app),
+                "settings": self._tf_settings.to_dict(),
+                "engines": table.view()["engines"],
+                "routers": {k: t.view() for k, t in list(board.LOCAL_ROUTERS.items())},
+                "replicas_lost": dict(self._tf_lost),
+                "kv_pools": pools}

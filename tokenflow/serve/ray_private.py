@@ -1,0 +1,26 @@
+"""Every name TokenFlow takes from Ray's private modules, in one place.
+
+Each has no public counterpart in Ray 2.60; on a Ray upgrade, this file is
+the one to re-check. Public names (`ray.serve.llm`, `ray.serve.llm.ingress`,
+`ray.serve.llm.openai_api_models`, `ray.serve.request_router`) are imported
+where they are used.
+"""
+
+# The ingress's own FastAPI app (`init`, with Ray's exception middleware) and
+# its route table: TokenFlow adds routes and its guard to that app, which
+# `build_openai_app` builds out of reach.
+# What `build_openai_app` does with the ingress's options and model cards,
+# repeated by tokenflow/serve/app.py, which builds the same graph itself.
+from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults  # noqa: F401
+
+# The error body of an ErrorResponse (the public ErrorResponse needs one).
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ErrorInfo,  # noqa: F401
+    to_model_metadata,  # noqa: F401
+)
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS  # noqa: F401
+from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi  # noqa: F401
+
+# Serve's default request router: the slack router extends it, to keep its
+# fallback (power of two choices) and its replica queue-length cache.
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # noqa: F401

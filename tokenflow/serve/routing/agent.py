@@ -1,0 +1,170 @@
+"""The cluster side of one engine replica: push state, register with the node's KV pool.
+
+Runs as asyncio tasks on the replica's event loop. State pushes are
+fire-and-forget (`.remote()`, never awaited); the KV pool loop and the poll
+of the TokenFlow scheduler's own summary (an EngineCore utility call) await
+their replies but run apart from the pushes. No request ever waits on any.
+
+The pushed state is the replica's stream tracker (exact counts and rates;
+buffers from the chunks it sends) plus, when fresh, the scheduler's summary:
+its decode capacity estimate, queue and pause counts, KV blocks; its offload
+counters go to the node's KV pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import asdict
+
+import ray
+
+from tokenflow.core.sched_state import SchedulerState
+from tokenflow.serve import kv_pool
+from tokenflow.serve.routing.board import get_board
+from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
+from tokenflow.serve.streams import EngineTracker
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineAgent:
+    def __init__(self, tracker: EngineTracker, router: RoutingSettings, kv: kv_pool.KVPoolSettings,
+                 *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None, metrics=None):
+        self.tracker = tracker
+        self.router_settings = router
+        self.kv_settings = kv
+        self.app_name = app_name
+        self.engine_id = engine_id
+        self.replica = replica
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.seq = 0
+        self._router = None
+        self._pool = None
+        self._last_push = None
+        self._tasks: list[asyncio.Task] = []
+        # async () -> SchedulerState | None: the TokenFlow scheduler's state
+        self._scheduler_state = scheduler_state
+        self.sched: SchedulerState | None = None
+        self._sched_at = -1e9
+        # tokenflow.serve.metrics.EngineMetrics, or None: sampled every METRICS_INTERVAL_S
+        self.metrics = metrics
+
+    def start(self) -> None:
+        # Two loops, so a slow pool registration (its actor may need a new
+        # worker process) never delays the state pushes.
+        loop = asyncio.get_running_loop()
+        if self.router_settings.enabled:
+            self._tasks.append(loop.create_task(
+                self._loop("push", self._push, self.router_settings.push_interval_s)))
+        if self.kv_settings.enabled:
+            self._tasks.append(loop.create_task(
+                self._loop("kv pool", self._report, self.kv_settings.report_interval_s)))
+        if self._scheduler_state is not None:
+            self._tasks.append(loop.create_task(
+                self._loop("scheduler poll", self._poll, self.router_settings.push_interval_s, give_up_after=10)))
+        if self.metrics is not None:
+            from tokenflow.serve.metrics import METRICS_INTERVAL_S
+
+            self._tasks.append(loop.create_task(self._loop("metrics", self._sample, METRICS_INTERVAL_S)))
+
+    def _fresh_sched(self) -> SchedulerState | None:
+        # Older than a few pushes: the EngineCore is busy or stuck; go without.
+        return self.sched if time.monotonic() - self._sched_at < 5 * self.router_settings.push_interval_s else None
+
+    def state(self) -> EngineState:
+        self.seq += 1
+        st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
+                         seq=self.seq, sent_at=time.time(), **self.tracker.state())
+        sched = self._fresh_sched()
+        if sched is not None:
+            # The scheduler's decode meter knows the engine's capacity better
+            # than the rate this replica happened to deliver.
+            st.peak_tps = max(st.peak_tps, float(sched.decode_tps or 0.0))
+            st.scheduler = sched.router_summary()
+        return st
+
+    def kv_counters(self) -> dict:
+        """Usage and transfer counters for the node pool, from the scheduler's
+        view of the host KV tier (tokenflow/kv_offload/); empty without one."""
+        sched = self._fresh_sched()
+        if sched is None:
+            return {}
+        out = asdict(sched.offload) if sched.offload is not None else {}
+        out["host_pool_blocks"] = sched.host_pool_blocks
+        return out
+
+    async def _poll(self) -> bool:
+        self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0)
+        self._sched_at = time.monotonic()
+        return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
+
+    async def _sample(self) -> None:
+        """Gauges, buffer occupancy and the scheduler's counters, for Prometheus."""
+        now = self.tracker.clock()
+        self.metrics.sample_streams(self.tracker.running_buffers(now), self.tracker.state(now))
+        self.metrics.sample_scheduler(self._fresh_sched())
+
+    def _check_last_push(self) -> None:
+        # A push we never awaited may have failed because the actor is gone
+        # for good (e.g. killed): then look it up again (recreating it).
+        ref, self._last_push = self._last_push, None
+        if ref is None:
+            return
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                self._router = None
+
+    async def _push(self) -> None:
+        if self._router is None:
+            self._router = await asyncio.to_thread(get_board, self.app_name)
+        self._check_last_push()
+        self._last_push = self._router.push.remote(self.state().to_dict())
+
+    async def _report(self) -> None:
+        if self._pool is None:
+            self._pool = await asyncio.to_thread(kv_pool.get_node_pool, self.node_id, self.kv_settings)
+            ref = self._pool.register_engine.remote(self.engine_id)
+            quota = await asyncio.wait_for(ref, timeout=30)
+            logger.info(f"TokenFlow engine {self.engine_id}: host KV quota {quota} bytes on node {self.node_id}")
+        else:
+            # Awaited (this loop is not the push loop), so an unreachable
+            # pool counts as a failure of this loop.
+            await asyncio.wait_for(self._pool.report.remote(self.engine_id, self.kv_counters()), timeout=30)
+
+    async def _loop(self, what: str, step, interval: float, give_up_after: int | None = None) -> None:
+        failures = 0
+        while True:
+            try:
+                if await step() is False:
+                    return
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never let the agent die: the engine must keep serving
+                failures += 1
+                if what == "push":
+                    self._router = None
+                elif what == "kv pool":
+                    self._pool = None
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning(f"TokenFlow engine {self.engine_id}: {what} failed ({failures}x): {e!r}")
+                if give_up_after is not None and failures >= give_up_after:
+                    return
+            await asyncio.sleep(interval)
+
+    def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            if self._router is not None:
+                self._router.forget.remote(self.engine_id)
+            if self._pool is not None:
+                self._pool.unregister_engine.remote(self.engine_id)
+        except Exception:
+            pass

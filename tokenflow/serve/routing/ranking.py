@@ -1,0 +1,274 @@
+"""Which engine takes the next request: ranking by buffer slack.
+
+Pure Python (no Ray, no vLLM): the ingress request routers and the tests use
+it as is.
+
+Slack of an engine is measured in reader-seconds over a horizon H: how much
+reading time it can still give newcomers before one of its readers stalls.
+
+    slack = H * (capacity - required) / reader_rate     spare decode rate, as readers
+          + sum over running streams of min(buffer_s, H)  buffers TokenFlow can lend
+
+`required` is the sum of its readers' stated rates (running and waiting),
+plus `reader_rate` per non-streaming request. `capacity` is the best decode
+rate the engine has shown, or `capacity_tps` when it has not shown more yet.
+An idle engine thus has the most slack; an engine whose readers are all
+near empty buffers has little, even at the same request count. Negative
+slack is a deficit: its readers will stall unless work moves elsewhere.
+
+Each request goes to the engine with the most slack left after the
+requests just sent to it: every request sent since the engine's last pushed
+state counts as the load it will add once a push shows it (one reader, i.e.
+H reader-seconds), so the ranking is the same before and after that push.
+A burst therefore fills engines by slack instead of herding onto one: it
+goes first where slack is largest, until what is left is level; a burst
+that uses up the slack is split in proportion to it; beyond that, evenly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+
+from pydantic import Field
+
+from tokenflow.core.config import DEFAULT_RATE
+from tokenflow.core.settings import Positive, Settings
+
+
+class RoutingSettings(Settings):
+    """The `router:` block of the app args (configs/*.yaml)."""
+
+    block = "router"
+
+    enabled: bool = Field(True, description="Route by buffer slack; false: Serve's default power-of-two-choices "
+                                            "router.")
+    push_interval_s: Positive = Field(0.1, description="Each engine pushes its state this often (s).")
+    stale_after_s: Positive = Field(0.3, description="State older than this (s) is unknown: that engine is "
+                                                     "skipped (a dead or hung engine stops pushing; Serve's health "
+                                                     "checks then replace it).")
+    refresh_interval_s: Positive = Field(0.02, description="Least time (s) between two long polls of the state "
+                                                           "board by one ingress (each is answered on the next "
+                                                           "push).")
+    horizon_s: Positive = Field(10.0, description="How far ahead (s) slack looks (H).")
+    capacity_tps: Positive = Field(1000.0, description="Decode tokens/s assumed for an engine until it shows "
+                                                       "more.")
+    reader_rate: Positive | None = Field(None, description="Tokens/s of one new reader; null: the tokenflow "
+                                                           "block's default_rate.")
+    pending_ttl_s: Positive = Field(2.0, description="A sent request that no push ever reflects stops counting "
+                                                     "after this (s).")
+
+    @property
+    def rate(self) -> float:
+        return self.reader_rate if self.reader_rate is not None else DEFAULT_RATE
+
+
+@dataclass
+class EngineState:
+    """What one engine replica pushes about itself (see tokenflow/serve/streams.py)."""
+
+    engine_id: str  # Serve replica unique id, as the request router sees it
+    node_id: str = ""
+    replica: str = ""  # full replica name, for people reading /v1/tokenflow/engines
+    pid: int = 0  # the replica's process on its node, for operators
+    running: int = 0  # streams that got their first token
+    waiting: int = 0  # streams with no token yet
+    unary: int = 0  # non-streaming requests in flight
+    stalled: int = 0  # running streams whose reader has nothing buffered
+    buffer_s_sum: float = 0.0  # sum of running readers' buffered seconds
+    buffer_s_capped: float = 0.0  # same, each capped at the horizon
+    buffer_s_min: float | None = None
+    rate_sum: float = 0.0  # tokens/s the streams' readers need
+    decode_tps: float = 0.0  # tokens/s delivered lately
+    peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
+    received_total: int = 0  # requests ever received (settles "just sent" counts)
+    seq: int = 0
+    sent_at: float = 0.0  # engine wall clock at push (the state board counts transit from it)
+    scheduler: dict | None = None  # the TokenFlow scheduler's own summary, when available
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting + self.unary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineState":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def slack(state: EngineState, s: RoutingSettings, peer_tps: float = 0.0) -> float:
+    """peer_tps: the best decode rate its peers (replicas of the same
+    deployment, so alike) have shown. A restarted or new engine has shown
+    nothing yet; judged by capacity_tps alone it would look poorer than a
+    busy twin and never get work."""
+    capacity = max(state.peak_tps, peer_tps, s.capacity_tps)
+    required = state.rate_sum + state.unary * s.rate
+    spare_readers = (capacity - required) / s.rate
+    return s.horizon_s * spare_readers + state.buffer_s_capped
+
+
+def peer_tps(states) -> float:
+    """The best decode rate any of these engines has shown (see slack)."""
+    return max((st.peak_tps for st in states), default=0.0)
+
+
+def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RoutingSettings) -> list[str]:
+    """Engine ids, best first, for the next request. Callers pass only fresh states."""
+    best = peer_tps(states.values())
+
+    def key(eid: str):
+        st, p = states[eid], pending.get(eid, 0)
+        # A sent request will show as one more reader: H reader-seconds less.
+        # Ties: least loaded, then by id so the order is deterministic.
+        return (-(slack(st, s, best) - s.horizon_s * p), st.load + p, eid)
+
+    return sorted(states, key=key)
+
+
+def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings) -> dict[str, int]:
+    """Where n requests sent before any new push would go (for tests and docs)."""
+    pending = {e: 0 for e in states}
+    for _ in range(n):
+        pending[rank_engines(states, pending, s)[0]] += 1
+    return pending
+
+
+class LatencyStats:
+    """Recent samples (seconds) and their summary in ms; appends are thread-safe."""
+
+    def __init__(self, keep: int = 4096):
+        self.samples: deque[float] = deque(maxlen=keep)
+        self.count = 0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        self.count += 1
+
+    def summary(self) -> dict:
+        xs = sorted(self.samples)
+        if not xs:
+            return {"count": self.count}
+
+        def q(p: float) -> float:
+            return round(1000 * xs[min(len(xs) - 1, int(p * len(xs)))], 4)
+
+        return {"count": self.count, "mean_ms": round(1000 * sum(xs) / len(xs), 4),
+                "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(1000 * xs[-1], 4)}
+
+
+class RoutingTable:
+    """One ingress's cached copy of every engine's state, plus what it just sent.
+
+    Written by a refresher (update) and read by choose_replicas (rank) on the
+    router's event loop; the HTTP handler reads view() from another thread,
+    hence whole-dict swaps and a small lock around `pending`."""
+
+    def __init__(self, settings: RoutingSettings, clock=time.monotonic):
+        self.settings = settings
+        self._clock = clock
+        self._states: dict[str, EngineState] = {}
+        self._born: dict[str, float] = {}  # local clock time at which each state was fresh
+        self._pending: dict[str, deque] = {}
+        self._dead: set[str] = set()  # engines Serve saw die (drop())
+        self._lock = threading.Lock()
+        self.latency = LatencyStats()  # time inside choose_replicas
+        self.state_age = LatencyStats()  # age of the chosen engine's state at decision
+        self.fallbacks = 0  # decisions left to Serve's default (no fresh state)
+        self.decisions: dict[str, int] = {}
+
+    def update(self, snapshot: dict[str, tuple[dict, float]], now: float | None = None) -> None:
+        """snapshot: engine_id -> (state dict, age in seconds when read)."""
+        now = self._clock() if now is None else now
+        states, born = {}, {}
+        with self._lock:
+            for eid, (d, age) in snapshot.items():
+                if eid in self._dead:
+                    continue
+                st = d if isinstance(d, EngineState) else EngineState.from_dict(d)
+                old = self._states.get(eid)
+                if old is not None and st.received_total > old.received_total:
+                    # The engine now counts that many more arrivals: they are
+                    # (mostly) ours, so stop counting as many of our sends.
+                    q = self._pending.get(eid)
+                    for _ in range(min(len(q or ()), st.received_total - old.received_total)):
+                        q.popleft()
+                states[eid], born[eid] = st, now - age
+            self._states, self._born = states, born
+
+    def drop(self, engine_id: str) -> None:
+        """Forget an engine known to be dead. Its last pushes may still sit in
+        the state board for a while; a restarted replica has a new id."""
+        with self._lock:
+            self._dead.add(engine_id)
+            states, born = dict(self._states), dict(self._born)
+            states.pop(engine_id, None)
+            born.pop(engine_id, None)
+            self._states, self._born = states, born
+            self._pending.pop(engine_id, None)
+
+    def on_sent(self, engine_id: str, now: float | None = None) -> None:
+        with self._lock:
+            self._pending.setdefault(engine_id, deque()).append(self._clock() if now is None else now)
+
+    def pending(self, now: float | None = None) -> dict[str, int]:
+        now = self._clock() if now is None else now
+        cutoff = now - self.settings.pending_ttl_s
+        out = {}
+        with self._lock:
+            for eid, q in self._pending.items():
+                while q and q[0] < cutoff:
+                    q.popleft()
+                if q:
+                    out[eid] = len(q)
+        return out
+
+    def queue_len(self, engine_id: str, now: float | None = None) -> int:
+        """Requests the engine holds, as its last state and our sends since say."""
+        st = self._states.get(engine_id)
+        return (st.load if st is not None else 0) + self.pending(now).get(engine_id, 0)
+
+    def age(self, engine_id: str, now: float | None = None) -> float | None:
+        born = self._born.get(engine_id)
+        if born is None:
+            return None
+        return (self._clock() if now is None else now) - born
+
+    def rank(self, candidates, now: float | None = None) -> list[str] | None:
+        """Fresh candidates, best first; None when none has a fresh state."""
+        now = self._clock() if now is None else now
+        states, born, limit = self._states, self._born, self.settings.stale_after_s
+        fresh = {e: states[e] for e in candidates if e in states and now - born[e] <= limit}
+        if not fresh:
+            return None
+        return rank_engines(fresh, self.pending(now), self.settings)
+
+    def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
+        self.latency.add(seconds)
+        if chosen is None:
+            self.fallbacks += 1
+            return
+        self.decisions[chosen] = self.decisions.get(chosen, 0) + 1
+        age = self.age(chosen, now)
+        if age is not None:
+            self.state_age.add(age)
+
+    def view(self, now: float | None = None) -> dict:
+        now = self._clock() if now is None else now
+        pending = self.pending(now)
+        engines = []
+        best = peer_tps(self._states.values())
+        for eid, st in sorted(self._states.items()):
+            age = now - self._born[eid]
+            engines.append({**st.to_dict(), "age_s": round(age, 4),
+                            "fresh": age <= self.settings.stale_after_s,
+                            "slack_s": round(slack(st, self.settings, best), 3),
+                            "pending": pending.get(eid, 0),
+                            "routed": self.decisions.get(eid, 0)})
+        return {"engines": engines, "fallbacks": self.fallbacks,
+                "routing_latency": self.latency.summary(),
+                "state_age_at_decision": self.state_age.summary()}

@@ -1,0 +1,121 @@
+"""The Serve request router that picks an engine by buffer slack.
+
+Configured on the engine deployment as
+`request_router_config.request_router_class` (tokenflow/serve/app.py does it
+when `router.enabled`), so it runs inside every handle that calls the
+engines, i.e. in each ingress replica.
+
+Per request it only ranks a local table (ranking.py): a background task
+long-polls the app's state board (board.py) for every engine's state
+(answered on each push), and sends made by this router count as load until
+an engine's push reflects them. With no fresh state for any candidate (at
+start, or when the board is unreachable) it falls back to Serve's default,
+power of two choices.
+
+Serve pickles the router class by value, so module-level state here would
+not be shared with the ingress's HTTP handlers: what they share lives in
+board.py (LOCAL_ROUTERS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import List, Optional
+
+from tokenflow.serve.metrics import RouterMetrics
+from tokenflow.serve.ray_private import PowerOfTwoChoicesRequestRouter
+from tokenflow.serve.routing import board, ranking
+
+logger = logging.getLogger("ray.serve")
+
+
+class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
+    def initialize_state(self, **kwargs) -> None:
+        self._tf_settings = ranking.RoutingSettings.from_dict(kwargs)
+        self._tf_table = ranking.RoutingTable(self._tf_settings)
+        self._tf_refresher: Optional[asyncio.Task] = None
+        key = f"{self._deployment_id.app_name}/{self._deployment_id.name}#{id(self):x}"
+        board.LOCAL_ROUTERS[key] = self._tf_table
+        # Exported through Ray's metrics agent (ray_tokenflow_router_*; tokenflow/serve/metrics.py).
+        self._tf_metrics = RouterMetrics(self._deployment_id.app_name, self._deployment_id.name)
+        try:  # Serve builds routers on their event loop: start reading states now
+            self._tf_refresher = asyncio.get_running_loop().create_task(self._refresh())
+        except RuntimeError:
+            pass  # no loop here: choose_replicas starts it
+
+    def _table(self) -> ranking.RoutingTable:
+        if not hasattr(self, "_tf_table"):
+            self.initialize_state()
+        # Started lazily: the router is built outside its event loop.
+        if self._tf_refresher is None or self._tf_refresher.done():
+            self._tf_refresher = asyncio.get_running_loop().create_task(self._refresh())
+        return self._tf_table
+
+    async def _refresh(self) -> None:
+        # Long poll: the actor answers as soon as any engine pushes, so a
+        # state is as old as its transit, not a polling period. The interval
+        # only bounds how often this loop asks (and paces retries).
+        handle, failures, seen = None, 0, -1
+        interval = self._tf_settings.refresh_interval_s
+        while True:
+            started = time.monotonic()
+            try:
+                if handle is None:
+                    handle = await asyncio.to_thread(board.get_board, self.app_name)
+                    seen = -1
+                poll = handle.wait_snapshot.remote(seen, 1.0)
+                seen, snap = await asyncio.wait_for(poll, timeout=10.0)
+                self._tf_table.update(snap)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # keep routing (by fallback) whatever happens here
+                handle, failures = None, failures + 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning(f"TokenFlow router: reading engine states failed ({failures}x): {e!r}")
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None) -> List[List]:
+        start = time.perf_counter()
+        table = self._table()
+        order = None
+        # LoRA requests keep Serve's multiplex-aware choice.
+        if pending_request is None or not pending_request.metadata.multiplexed_model_id:
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            order = table.rank(by_id)
+        if order is None:
+            ranks = await super().choose_replicas(candidate_replicas, pending_request)
+            self._tf_record(table, start, None)
+            return ranks
+        # One rank per engine, best first: Serve tries the next one only if
+        # the previous one refuses (its queue is full).
+        self._tf_record(table, start, order[0])
+        # Serve picks among a rank by queue length, from its cache or else by
+        # probing the replica with a 0.1-1 s deadline, which a busy replica
+        # misses (the request then waits in the router and retries): give
+        # Serve the counts the engines' states already hold (docs/BENCHMARKS.md).
+        cache = self.replica_queue_len_cache
+        for e in order:
+            cache.update(by_id[e].replica_id, table.queue_len(e))
+        return [[by_id[e]] for e in order]
+
+    def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:
+        seconds = time.perf_counter() - start
+        table.record(seconds, chosen)
+        self._tf_metrics.on_decision(seconds, chosen, table.age(chosen) if chosen is not None else None)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        # Serve saw it die on a request: stop ranking it before its state ages out.
+        super().on_replica_actor_died(replica_id)
+        table = getattr(self, "_tf_table", None)
+        if table is not None:
+            table.drop(replica_id.unique_id)
+
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)
+        table = getattr(self, "_tf_table", None)
+        if table is not None:
+            table.on_sent(replica_id.unique_id)

@@ -1,0 +1,74 @@
+"""Reading the chunks an engine replica streams: tokens and usage.
+
+What the replica's generator yields (ray.serve.llm 2.60, LLMServer.chat and
+.completions): streaming responses as lists (one per ~50 ms batch) of SSE
+strings "data: {json}\\n\\n"; non-streaming ones as one response object
+with `.usage`; errors as an ErrorResponse object. Tokens are counted as one
+per content delta of choice 0 (a lower bound: a delta may hold several
+tokens) and corrected by `usage.completion_tokens` whenever a chunk carries
+it. The replica's stream tracker (streams.py) and the ingress's failover
+(failover.py) both read chunks through here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _sse_events(text: str):
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == "[DONE]":
+            continue
+        try:
+            ev = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            yield ev
+
+
+def _delta_tokens(ev: dict) -> int:
+    for ch in ev.get("choices") or ():
+        if not isinstance(ch, dict) or ch.get("index", 0) != 0:
+            continue
+        delta = ch.get("delta")
+        if isinstance(delta, dict):  # chat
+            piece = (delta.get("content") or delta.get("reasoning_content")
+                     or delta.get("reasoning") or delta.get("tool_calls"))
+        else:  # text completion
+            piece = ch.get("text")
+        return 1 if piece else 0
+    return 0
+
+
+def _usage_of(obj: Any) -> int | None:
+    usage = obj.get("usage") if isinstance(obj, dict) else getattr(obj, "usage", None)
+    if usage is None:
+        return None
+    ct = usage.get("completion_tokens") if isinstance(usage, dict) else getattr(usage, "completion_tokens", None)
+    return ct if isinstance(ct, int) else None
+
+
+def count_chunk(item: Any) -> tuple[int, int | None]:
+    """(content deltas of choice 0, latest usage.completion_tokens or None)."""
+    if isinstance(item, (list, tuple)):
+        total, usage = 0, None
+        for x in item:
+            n, u = count_chunk(x)
+            total += n
+            usage = u if u is not None else usage
+        return total, usage
+    if isinstance(item, bytes):
+        item = item.decode("utf-8", errors="replace")
+    if isinstance(item, str):
+        total, usage = 0, None
+        for ev in _sse_events(item):
+            total += _delta_tokens(ev)
+            u = _usage_of(ev)
+            usage = u if u is not None else usage
+        return total, usage
+    return 0, _usage_of(item)  # a whole (non-streaming) response, or an error

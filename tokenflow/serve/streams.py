@@ -1,0 +1,151 @@
+"""An engine replica's view of its own streams, from what it sends out.
+
+Pure Python (no Ray): TokenFlowLLMServer wraps each response generator with
+`tracked()`, which feeds a tokenflow.core.buffer.ReaderBuffer per streaming
+request; `EngineTracker.state()` summarises them for the router.
+
+Tokens are counted from the chunks sent (sse.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import AsyncGenerator
+
+from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.serve.sse import count_chunk
+
+
+class EngineTracker:
+    """Open requests of one engine and its recent decode rate.
+
+    `sink` (optional; tokenflow.serve.metrics.EngineMetrics in a replica) hears
+    each request's first token, the gaps between its token-bearing chunks,
+    its tokens and its end; a failing sink never disturbs a stream."""
+
+    def __init__(self, horizon_s: float = 10.0, window_s: float = 2.0, clock=time.monotonic, sink=None):
+        self.horizon_s = horizon_s
+        self.window_s = window_s
+        self.clock = clock
+        self.sink = sink
+        self._streams: dict[int, ReaderBuffer] = {}
+        self._unary: set[int] = set()
+        self._next = 0
+        self.received_total = 0
+        self._window: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
+        self.peak_tps = 0.0
+        self.tokens_total = 0
+
+    def open(self, rate: float, stream: bool, arrival: float) -> int:
+        self._next += 1
+        self.received_total += 1
+        if stream:
+            self._streams[self._next] = ReaderBuffer(rate=rate, arrival_time=arrival)
+        else:
+            self._unary.add(self._next)
+        return self._next
+
+    def _tell(self, event: str, *args, **kwargs) -> None:
+        if self.sink is None:
+            return
+        try:
+            getattr(self.sink, event)(*args, **kwargs)
+        except Exception:  # metrics must never break a stream
+            pass
+
+    def add_tokens(self, handle: int, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        reader = self._streams.get(handle)
+        if reader is not None:
+            if reader.first_token_time is None:
+                self._tell("on_first_token", now - reader.arrival_time)
+            else:
+                self._tell("on_gap", now - reader.arrivals[-1])
+            reader.on_tokens(now, n)
+        self._window.append((now, n))
+        self._window_tokens += n
+        self.tokens_total += n
+        self._tell("on_tokens", n)
+
+    def close(self, handle: int, now: float, status: str = "ok") -> None:
+        """`status`: ok, error or cancelled (for the finished-requests metric)."""
+        reader = self._streams.pop(handle, None)
+        known = reader is not None or handle in self._unary
+        self._unary.discard(handle)
+        if known:
+            self._tell("on_finish", reader, stream=reader is not None, status=status, now=now)
+
+    def running_buffers(self, now: float) -> list[float]:
+        """Buffered seconds of every stream that has had its first token."""
+        return [r.buffer_seconds(now) for r in list(self._streams.values()) if r.first_token_time is not None]
+
+    def decode_tps(self, now: float) -> float:
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window_tokens -= self._window.popleft()[1]
+        tps = self._window_tokens / self.window_s
+        self.peak_tps = max(self.peak_tps, tps)
+        return tps
+
+    def state(self, now: float | None = None) -> dict:
+        """EngineState fields (without the ids) at `now`."""
+        now = self.clock() if now is None else now
+        running = waiting = stalled = 0
+        b_sum = b_cap = rate_sum = 0.0
+        b_min = None
+        for r in self._streams.values():
+            rate_sum += r.rate
+            if r.first_token_time is None:
+                waiting += 1
+                continue
+            running += 1
+            b = r.buffer_seconds(now)
+            b_sum += b
+            b_cap += min(b, self.horizon_s)
+            b_min = b if b_min is None else min(b_min, b)
+            stalled += b <= 1e-9
+        tps = self.decode_tps(now)
+        return dict(running=running, waiting=waiting, unary=len(self._unary), stalled=stalled,
+                    buffer_s_sum=round(b_sum, 4), buffer_s_capped=round(b_cap, 4),
+                    buffer_s_min=None if b_min is None else round(b_min, 4),
+                    rate_sum=rate_sum, decode_tps=round(tps, 2), peak_tps=round(self.peak_tps, 2),
+                    received_total=self.received_total)
+
+
+async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, stream: bool,
+                  arrival: float, use_usage: bool = True) -> AsyncGenerator:
+    """Yield what `gen` yields, counting its tokens into `tracker`.
+
+    The request is opened when iteration starts (Serve starts it at once) and
+    closed in `finally`, so a cancelled or failed stream never stays open."""
+    handle = tracker.open(rate, stream, arrival)
+    counted = 0
+    status = "cancelled"  # unless it ends normally or fails
+    try:
+        async for item in gen:
+            n, usage = count_chunk(item)
+            if use_usage and usage is not None and usage > counted + n:
+                n = usage - counted  # usage is exact; deltas only a lower bound
+            if n:
+                tracker.add_tokens(handle, n, tracker.clock())
+                counted += n
+            if getattr(item, "error", None) is not None:  # an ErrorResponse object
+                status = "error"
+            yield item
+        if status != "error":
+            status = "ok"
+    except Exception:
+        status = "error"
+        raise
+    finally:
+        tracker.close(handle, tracker.clock(), status)
+        # Close the inner stream now (not at garbage collection) so a client
+        # that went away releases its engine request promptly.
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception:
+                pass

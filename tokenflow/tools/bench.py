@@ -1,0 +1,311 @@
+"""`tokenflow bench`: one workload, each scheduler in turn, side by side.
+
+Tokens are timed inside the process that steps the engine (vLLM's LLMEngine
+in-process, no HTTP, no IPC): on a 2-core machine the Serve path adds
+seconds of client-side noise, so this is where the comparison is cleanest.
+The summary says so in `workload.timing`. Every figure comes from the same
+buffer model the server and the load test use (tokenflow/core/buffer.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from tokenflow.core.buffer import ReaderBuffer
+
+SCHEDULERS = ("fcfs", "andes", "tokenflow")
+# TokenFlow's class for each scheduling mode; fcfs is vLLM's own scheduler
+# (AsyncScheduler or Scheduler, as vLLM picks it for the mode).
+TF_CLASS = {"sync": "tokenflow.engine.scheduler.TokenFlowScheduler",
+            "async": "tokenflow.engine.scheduler.TokenFlowAsyncScheduler"}
+SCHEDULING = ("auto", "sync", "async")
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolve_scheduling(mode: str) -> str:
+    """"auto": asynchronous where the platform runs it (CUDA-like GPUs, where
+    vLLM turns it on by default), synchronous elsewhere (vLLM's CPU build
+    forces it off). Every scheduler in one bench runs in the same mode."""
+    if mode not in SCHEDULING:
+        raise ValueError(f"unknown scheduling {mode!r}; choose one of {SCHEDULING}")
+    if mode != "auto":
+        return mode
+    from vllm.platforms import current_platform
+
+    return "async" if current_platform.is_cuda_alike() else "sync"
+
+
+@dataclass
+class Workload:
+    kind: str = "burst"  # burst | poisson | gamma
+    requests: int = 128
+    poisson_rate: float = 8.0  # requests/s when kind is poisson or gamma
+    # Gamma arrivals: the gaps' coefficient of variation (1 = Poisson; more
+    # is burstier), at the same mean rate.
+    gamma_cv: float = 2.0
+    rates: list[float] = field(default_factory=lambda: [10.0, 20.0, 40.0])  # reading rates, drawn uniformly
+    prompt_tokens: int = 64
+    output_tokens: int = 1024
+    seed: int = 0
+
+    def arrivals(self) -> list[float]:
+        if self.kind == "burst":
+            return [0.0] * self.requests
+        if self.kind in ("poisson", "gamma"):
+            rng, t, out = random.Random(self.seed), 0.0, []
+            shape = 1.0 / self.gamma_cv ** 2  # gamma gaps with this CV and mean 1/rate
+            for _ in range(self.requests):
+                out.append(t)
+                if self.kind == "poisson":
+                    t += rng.expovariate(self.poisson_rate)
+                else:
+                    t += rng.gammavariate(shape, 1.0 / (shape * self.poisson_rate))
+            return out
+        raise ValueError(f"unknown workload kind {self.kind!r} (burst, poisson or gamma)")
+
+    def at_load(self, load: float, decode_tps: float) -> "Workload":
+        """The same workload sized to a share of the engine's measured decode
+        capacity, so one command means the same contention on any machine.
+        A burst: as many readers as together read `load` x capacity. Poisson
+        or gamma: arrivals whose tokens come at `load` x capacity."""
+        mean_rate = statistics.fmean(self.rates)
+        if self.kind == "burst":
+            return replace(self, requests=max(1, round(load * decode_tps / mean_rate)))
+        return replace(self, poisson_rate=load * decode_tps / self.output_tokens)
+
+    def reading_rates(self) -> list[float]:
+        rng = random.Random(self.seed + 1)
+        return [rng.choice(self.rates) for _ in range(self.requests)]
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(self.seed + 2)
+        return [[rng.randrange(10, 1000) for _ in range(self.prompt_tokens)] for _ in range(self.requests)]
+
+
+@dataclass
+class EngineSettings:
+    model: str = "models/tiny-llama"
+    kv_cache_memory_bytes: int | None = 32 << 20  # small: the default burst does not fit
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    block_size: int | None = 32
+    # Host KV tier (tokenflow/kv_offload/) for every scheduler alike; 0: none.
+    offload_bytes: int = 256 << 20
+    extra: dict = field(default_factory=dict)  # any other vLLM engine args
+    # TokenFlowConfig overrides. dt 0.1 s: the tiny CPU model decodes a
+    # request about 10x faster than an 8B model on a GPU, so the paper's
+    # 0.5-1.5 s interval shrinks with it.
+    tokenflow: dict = field(default_factory=lambda: {"dt": 0.1})
+    scheduling: str = "auto"  # auto | sync | async: the mode of every scheduler
+
+    def engine_kwargs(self, scheduler: str) -> dict:
+        mode = resolve_scheduling(self.scheduling)
+        kw = dict(model=self.model, enforce_eager=True, seed=0, max_num_seqs=self.max_num_seqs,
+                  max_model_len=self.max_model_len, disable_log_stats=True,
+                  async_scheduling=mode == "async")
+        if self.kv_cache_memory_bytes:
+            kw["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.block_size:
+            kw["block_size"] = self.block_size
+        if _on_cpu():
+            # vLLM's CPU build: the tiny model's own float32, not a bf16
+            # downcast (AMX attention kernels die with SIGILL in VMs that
+            # report AMX without enabling it).
+            kw["dtype"] = "float32"
+        if self.offload_bytes:
+            from tokenflow.kv_offload import kv_transfer_config
+
+            kw["kv_transfer_config"] = kv_transfer_config(host_pool_bytes=self.offload_bytes, tokenflow_connector=True)
+        kw.update(self.extra)
+        if scheduler != "fcfs":
+            kw["scheduler_cls"] = TF_CLASS[mode]
+            kw["additional_config"] = {"tokenflow": {**self.tokenflow, "policy": scheduler}}
+        return kw
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict], dict | None]:
+    """Drive one engine through the workload; returns readers, wall time, records, scheduler stats."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = LLM(**eng.engine_kwargs(scheduler))
+    engine = llm.llm_engine
+    want = resolve_scheduling(eng.scheduling)
+    got = "async" if engine.vllm_config.scheduler_config.async_scheduling else "sync"
+    if got != want:  # e.g. async asked for on vLLM's CPU build, which turns it off
+        raise RuntimeError(f"{scheduler}: vLLM runs {got} scheduling on this platform, not {want}")
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+
+    arrivals, rates, prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
+    readers: dict[str, ReaderBuffer] = {}
+    finished: set[str] = set()
+    t0 = time.monotonic()
+    nxt = 0
+    while len(finished) < wl.requests:
+        now = time.monotonic() - t0
+        while nxt < wl.requests and arrivals[nxt] <= now:
+            rid = f"req-{nxt}"
+            sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA,
+                                extra_args={"consumption_rate": rates[nxt]})
+            readers[rid] = ReaderBuffer(rate=rates[nxt], arrival_time=max(arrivals[nxt], 0.0))
+            engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < wl.requests else 0.0)
+            continue
+        outs = engine.step()
+        now = time.monotonic() - t0
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            readers[o.request_id].on_tokens(now, n)
+            if o.finished:
+                readers[o.request_id].on_finish(now)
+                finished.add(o.request_id)
+    wall = time.monotonic() - t0
+    stats = scheduler_stats(engine)
+    del llm, engine
+    gc.collect()
+    records = [
+        {"id": rid, "rate": r.rate, "arrival_s": r.arrival_time, "ttft_s": r.ttft, "tokens": r.delivered,
+         "stall_s": r.stall_time(wall), "effective_tokens": r.effective_tokens(), "qoe": r.qoe(),
+         "arrivals_s": r.arrivals}
+        for rid, r in readers.items()
+    ]
+    return list(readers.values()), wall, records, stats
+
+
+def scheduler_stats(engine) -> dict | None:
+    """TokenFlow's counters (pauses, resumes, recompute) from the in-process
+    engine core; None for vLLM's own scheduler."""
+    sched = engine.engine_core.engine_core.scheduler
+    stats = getattr(sched, "tf_stats", None)
+    return None if stats is None else asdict(stats)
+
+
+def calibrate(eng: EngineSettings, tokens: int = 256, passes: int = 3) -> dict:
+    """Decode capacity of the engine: vLLM's own scheduler decoding a full
+    batch (max_num_seqs requests) with no prefill, the steps after the
+    first tokens timed; the best of a few passes (a pass that another
+    process slowed says less about the engine than the fastest one)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**eng.engine_kwargs("fcfs"))
+    engine = llm.llm_engine
+    rng = random.Random(7)
+    batch = eng.max_num_seqs
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    passes_tps = []
+    for p in range(passes):
+        for i in range(batch):
+            prompt = [rng.randrange(10, 1000) for _ in range(16)]
+            engine.add_request(f"cal-{p}-{i}", {"prompt_token_ids": prompt}, sp)
+        for _ in range(3):  # prefill, first tokens, warm-up
+            engine.step()
+        t0 = time.monotonic()
+        while engine.has_unfinished_requests():
+            engine.step()
+        passes_tps.append(batch * (tokens - 3) / (time.monotonic() - t0))
+    del llm, engine
+    gc.collect()
+    return {"decode_tps": max(passes_tps), "passes_tps": passes_tps, "batch": batch,
+            "method": "vLLM's scheduler decoding max_num_seqs requests, no prefill, engine-side timing, "
+                      "best pass"}
+
+
+# ratio name -> the result field it divides (tokenflow's over fcfs's)
+RATIO_KEYS = {"ttft_p99": "ttft_p99_s", "effective_throughput": "effective_throughput_tps",
+              "throughput": "throughput_tps"}
+
+
+def ratios(results: dict, keys: dict = RATIO_KEYS) -> dict | None:
+    """TokenFlow's figures over fcfs's, from one run; None unless both ran."""
+    if "fcfs" not in results or "tokenflow" not in results:
+        return None
+    f, t = results["fcfs"], results["tokenflow"]
+    return {name: t[k] / f[k] if f.get(k) and t.get(k) is not None else None for name, k in keys.items()}
+
+
+def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
+    done = [r for r in readers if r.finished and r.delivered == expected]
+    ttfts = [r.ttft for r in readers if r.ttft is not None]
+    tbts = [x for r in readers for x in r.tbts()]
+    tokens = sum(r.delivered for r in readers)
+    return {
+        "completed": len(done),
+        "failed": len(readers) - len(done),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "tbt_p99_s": percentile(tbts, 0.99),
+        "stall_s_mean": statistics.fmean(r.stall_time(wall) for r in readers),
+        "throughput_tps": tokens / wall,
+        "effective_throughput_tps": sum(r.effective_tokens() for r in readers) / wall,
+        "qoe_mean": statistics.fmean(r.qoe() for r in readers),
+        "wall_s": wall,
+    }
+
+
+def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True,
+              load: float | None = None) -> dict:
+    """Each scheduler in turn on the same workload. With `load`, the
+    workload is first sized to that share of the measured capacity."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    calibration = None
+    if load is not None:
+        calibration = calibrate(eng)
+        wl = wl.at_load(load, calibration["decode_tps"])
+        calibration["load"] = load
+        print(json.dumps({"calibration": calibration, "requests": wl.requests,
+                          "arrival_rate": wl.poisson_rate if wl.kind != "burst" else None}), flush=True)
+    results, all_records = {}, {}
+    for name in schedulers:
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
+        readers, wall, records, stats = run_one(name, wl, eng)
+        results[name] = summarize(readers, wall, wl.output_tokens)
+        results[name]["scheduler_stats"] = stats
+        all_records[name] = records
+        with open(out / f"requests-{name}.jsonl", "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        print(json.dumps({"scheduler": name, **results[name]}), flush=True)
+    summary = {
+        "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
+                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)",
+                     "calibration": calibration},
+        "results": results,
+    }
+    if (r := ratios(results)) is not None:
+        summary["ratios_tokenflow_vs_fcfs"] = r
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if plots:
+        from tokenflow.tools.bench_plots import write_plots
+
+        write_plots(out, all_records, wl)
+    return summary

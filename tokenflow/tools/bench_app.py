@@ -1,0 +1,388 @@
+"""`tokenflow bench-app`: the policies side by side, end to end through the served app.
+
+What users see: HTTP, the ingress, the slack router and every engine of a
+`serve run` config. For each policy in turn the bench starts the app from
+the config with only `tokenflow.policy` changed, waits until an engine
+really answers, drives the same seeded schedule of streaming readers at it
+(tokenflow/tools/loadtest/http_reader.py, the Locust users' accounting), and stops it.
+Tokens are timed by the client as their SSE lines arrive.
+
+`--load F` first measures what the app decodes (the first policy's app,
+every slot of every engine streaming at once) and sizes the workload to F x
+that, so one command means the same contention on any machine.
+
+OUT gets requests-<policy>.jsonl, summary.json (the schema of `tokenflow
+bench`, plus SLO goodput and vLLM's benchmark fields under its names),
+app-<policy>.yaml (the exact config each run served), serve-<policy>.log
+and the same plots as `tokenflow bench`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from tokenflow.tools import launcher
+from tokenflow.tools.bench import RATIO_KEYS, percentile, ratios
+from tokenflow.tools.loadtest import http_reader
+from tokenflow.tools.loadtest.exporter import ClientMetrics
+from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
+from tokenflow.tools.loadtest.runner import summarize as summarize_client
+from tokenflow.tools.loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, parse_rates
+
+POLICIES = ("fcfs", "andes", "tokenflow")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class AppWorkload:
+    shape: str
+    requests: int  # per burst for "bursts" when sized by load; else the total
+    rates: str  # reading-rate mix, value:weight,...
+    max_tokens: int
+    prompt: str
+    arrival_rate: float | None = None
+    cv: float = 2.0
+    bursts: int = 1
+    period: float | None = None
+    seed: int = 0
+    load: float | None = None  # share of the measured capacity the readers need
+
+    def schedule(self) -> Schedule:
+        return make_schedule(self.shape, self.requests, self.rates, arrival_rate=self.arrival_rate, cv=self.cv,
+                             bursts=self.bursts, period=self.period, seed=self.seed)
+
+    def at_load(self, decode_tps: float) -> "AppWorkload":
+        """A burst (or each of the bursts) of as many readers as together read
+        load x capacity; Poisson or gamma arrivals bringing load x capacity
+        tokens/s."""
+        mix = parse_rates(self.rates)
+        mean_rate = sum(v * w for v, w in mix) / sum(w for _, w in mix)
+        if self.shape in ("burst", "bursts"):
+            per_burst = max(1, round(self.load * decode_tps / mean_rate))
+            return replace(self, requests=per_burst * (self.bursts if self.shape == "bursts" else 1))
+        return replace(self, arrival_rate=self.load * decode_tps / self.max_tokens)
+
+
+# --- the app under test ---------------------------------------------------------
+
+def app_config(config: Path, policy: str, port: int, requests: int, engines: int | None,
+               tokenflow: dict) -> dict:
+    """The config with its policy set, the admission bound above any
+    workload's size (a bench measures scheduling, not 429s) and the model
+    path made absolute."""
+    doc = copy.deepcopy(yaml.safe_load(config.read_text()) or {})
+    doc.setdefault("http_options", {})["port"] = port
+    args = doc["applications"][0].setdefault("args", {})
+    args["tokenflow"] = {**(args.get("tokenflow") or {}), **tokenflow, "policy": policy}
+    admission = args.get("admission") or {}
+    admission["max_ongoing_requests"] = max(int(admission.get("max_ongoing_requests", 0)), requests + 8)
+    args["admission"] = admission
+    if engines:
+        args["num_replicas"] = engines
+    model = Path(args.get("model_path", ""))
+    if args.get("model_path") and not model.is_absolute():
+        args["model_path"] = str(ROOT / model)
+    return doc
+
+
+def slots(doc: dict) -> int:
+    """Sequence slots over all engines: the calibration's concurrency."""
+    args = doc["applications"][0]["args"]
+    per_engine = int((args.get("engine_kwargs") or {}).get("max_num_seqs", 256))
+    return int(args.get("num_replicas", 1)) * per_engine
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) != 0
+
+
+class ServedApp:
+    """`serve run` of one config, from start to a clean stop (context manager)."""
+
+    def __init__(self, config_path: Path, log_path: Path, ready_timeout: float, niceness: int = 0):
+        self.config_path, self.log_path, self.ready_timeout = config_path, log_path, ready_timeout
+        self.niceness = niceness
+        s = launcher.app_settings(str(config_path))
+        self.base_url, self.model = f"http://{s['host']}:{s['port']}", s["model"]
+        self.host, self.port = s["host"], s["port"]
+
+    def __enter__(self) -> "ServedApp":
+        if not port_free(self.host, self.port):
+            raise RuntimeError(f"something already listens at {self.base_url}; stop it or pass --port")
+        self.shm_before = launcher.shm_names()
+        self.log = open(self.log_path, "wb")
+        self.proc = launcher.start(str(self.config_path), log=self.log, niceness=self.niceness)
+        try:
+            ready = launcher.wait_until_ready(self.base_url, self.model, self.ready_timeout, self.proc)
+        except BaseException:  # Ctrl-C while it starts: the app goes too
+            self.__exit__(None, None, None)
+            raise
+        if not ready:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"the app did not answer within {self.ready_timeout:.0f} s; see {self.log_path}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        launcher.stop(self.proc)
+        self.log.close()
+        launcher.remove_shm_leftovers(self.shm_before, settle=15.0)
+
+
+# --- driving it -----------------------------------------------------------------
+
+class Progress:
+    """A progress bar over the requests of one run (tqdm, on stderr)."""
+
+    def __init__(self, total: int, label: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.tokens = self.failed = 0
+
+    def __call__(self, record: dict) -> None:
+        self.tokens += record.get("tokens") or 0
+        self.failed += not record["ok"]
+        self.bar.set_postfix(tokens=self.tokens, failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def engine_counters(app: ServedApp) -> dict | None:
+    """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
+    tokens), from GET /v1/tokenflow/engines; None if it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{app.base_url}/v1/tokenflow/engines", timeout=10) as resp:
+            view = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    return {e["engine_id"]: (e.get("scheduler") or {}).get("stats") for e in view.get("engines", [])}
+
+
+def drive(app: ServedApp, wl: AppWorkload, label: str, timeout: float, metrics=None) -> list[dict]:
+    """One schedule against the app; each finished request also goes to
+    `metrics` (a ClientMetrics) under the run label `label`."""
+    sched = wl.schedule()
+    bodies = [http_reader.chat_body(app.model, f"{wl.prompt} (reader {i})", wl.max_tokens, rate)
+              for i, rate in enumerate(sched.rates)]
+    progress = Progress(len(sched), label)
+
+    def on_record(record: dict) -> None:
+        progress(record)
+        if metrics is not None:
+            metrics.observe(record, app.model, label)
+
+    try:
+        return asyncio.run(http_reader.run_schedule(app.base_url, bodies, sched.rates, sched.offsets, timeout,
+                                                    on_record))
+    finally:
+        progress.close()
+
+
+def calibrate(app: ServedApp, concurrency: int, tokens: int, prompt: str, timeout: float) -> dict:
+    """What the app decodes with every slot busy: `concurrency` streams at
+    once, readers too fast to matter; tokens counted over the window in
+    which all of them stream (after the last first token, before the first
+    answer ends)."""
+    wl = AppWorkload(shape="burst", requests=concurrency, rates="10000", max_tokens=tokens, prompt=prompt)
+    records = drive(app, wl, "calibrating", timeout)
+    ok = [r for r in records if r["ok"] and r["arrivals_s"]]
+    if not ok:
+        raise RuntimeError(f"calibration failed: {records[0]['error'] if records else 'no requests'}")
+    start = max(r["arrivals_s"][0] for r in ok)
+    end = min(r["arrivals_s"][-1] for r in ok)
+    if end - start < 0.5:  # no common window: whole-run figure instead
+        start = min(r["arrivals_s"][0] for r in ok)
+        end = max(r["arrivals_s"][-1] for r in ok)
+    n = sum(sum(1 for t in r["arrivals_s"] if start <= t <= end) for r in ok)
+    return {"decode_tps": n / (end - start) if end > start else 0.0, "streams": concurrency,
+            "failed": len(records) - len(ok), "window_s": end - start,
+            "method": "every engine slot streaming at once through the app; client-side token times"}
+
+
+# --- figures --------------------------------------------------------------------
+
+def _ms_stats(xs: list[float], name: str) -> dict:
+    """vLLM's benchmark fields for one latency (seconds in, ms out)."""
+    if not xs:
+        return {f"{k}_{name}_ms": None for k in ("mean", "median", "std", "p90", "p99")}
+    return {f"mean_{name}_ms": statistics.fmean(xs) * 1e3, f"median_{name}_ms": percentile(xs, 0.5) * 1e3,
+            f"std_{name}_ms": statistics.pstdev(xs) * 1e3, f"p90_{name}_ms": percentile(xs, 0.9) * 1e3,
+            f"p99_{name}_ms": percentile(xs, 0.99) * 1e3}
+
+
+def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: float) -> dict:
+    """`tokenflow bench`'s fields, SLO goodput, and vLLM bench's fields."""
+    full = [r for r in records if r["ok"] and r["tokens"] == max_tokens]
+    res = summarize_client(records, len(records))
+    res["completed"], res["failed"] = len(full), len(records) - len(full)
+    wall = res["wall_s"] or float("nan")
+    met = [r for r in full if r["ttft_s"] <= slo_ttft and r["stall_s"] <= slo_stall]
+    res.update({
+        "slo": {"ttft_s": slo_ttft, "stall_s": slo_stall},
+        "slo_attainment": len(met) / len(records),  # requests within both limits, of all sent
+        "request_goodput": len(met) / wall,  # of those, per second (vLLM's name)
+        "duration": wall,
+        "total_input_tokens": sum(r.get("prompt_tokens") or 0 for r in records),
+        "total_output_tokens": res["tokens"],
+        "request_throughput": len(full) / wall,
+        "output_throughput": res["tokens"] / wall,
+    })
+    res["total_token_throughput"] = (res["total_input_tokens"] + res["tokens"]) / wall
+    # How late the client sent against the schedule: its own health. On a
+    # machine where the app takes every core, the client's event loop lags,
+    # and every time it takes (sends, first tokens) lags with it.
+    res["client_send_lag_p99_s"] = percentile([r["sent_s"] - r["scheduled_s"] for r in records], 0.99)
+    res.update(_ms_stats([r["ttft_s"] for r in full], "ttft"))
+    res.update(_ms_stats([(r["total_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in full if r["tokens"] > 1], "tpot"))
+    res.update(_ms_stats([x for r in full for x in r["tbt_s"]], "itl"))
+    res.update(_ms_stats([r["total_s"] for r in full], "e2el"))
+    return res
+
+
+def plot_records(records: list[dict]) -> list[dict]:
+    """The fields `tokenflow bench`'s plots read."""
+    return [{"id": r["id"], "rate": r["rate"], "arrival_s": r["sent_s"], "ttft_s": r["ttft_s"],
+             "arrivals_s": r["arrivals_s"]} for r in records if r["arrivals_s"]]
+
+
+# --- the whole run ----------------------------------------------------------------
+
+def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES, *, port: int | None = None,
+                  engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
+                  slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
+                  calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0,
+                  metrics_port: int | None = None) -> dict:
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = Path(config)
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no such config: {config}")
+    port = port or launcher.app_settings(config)["port"]
+    results, records, calibration, served = {}, {}, None, {}
+    metrics = ClientMetrics(metrics_port) if metrics_port is not None else None
+    for policy in policies:
+        doc = app_config(config_path, policy, port, MAX_REQUESTS, engines, tokenflow or {})
+        path = out / f"app-{policy}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
+            if wl.load and calibration is None:
+                calibration = calibrate(app, slots(doc), calibration_tokens, wl.prompt, timeout)
+                calibration.update(load=wl.load, measured_with=policy)
+                wl = wl.at_load(calibration["decode_tps"])
+                print(json.dumps({"calibration": calibration, "requests": wl.requests,
+                                  "arrival_rate": wl.arrival_rate}), flush=True)
+            t0 = time.monotonic()
+            records[policy] = drive(app, wl, policy, timeout, metrics)
+            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0,
+                              # as the OS reports it for the running app, relative to ours
+                              "niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0)}
+            time.sleep(0.5)  # the engines' last pushes
+            counters = engine_counters(app)
+        results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
+        # Totals since the app started, the calibration's steps included.
+        results[policy]["scheduler_stats"] = counters
+        with open(out / f"requests-{policy}.jsonl", "w") as f:
+            for rec in records[policy]:
+                f.write(json.dumps(rec) + "\n")
+        print(json.dumps({"policy": policy, **{k: v for k, v in results[policy].items() if not k.startswith(
+            ("mean_", "median_", "std_", "p90_"))}}), flush=True)
+    summary = {
+        "workload": {**wl.__dict__, "requests": wl.requests, "config": str(config), "engines": engines,
+                     "app_nice": app_nice,
+                     "timing": "client-side: token times taken by the bench's HTTP client as SSE lines arrive "
+                               "from the served app (ingress, router, engines)",
+                     "calibration": calibration, "apps": served},
+        "results": results,
+        "ratios_tokenflow_vs_fcfs": ratios(results, {**RATIO_KEYS, "request_goodput": "request_goodput"}),
+    }
+    if metrics is not None:
+        metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if plots:
+        from tokenflow.tools.bench_plots import write_plots
+
+        write_plots(out, {p: plot_records(r) for p, r in records.items()}, wl)
+    return summary
+
+
+# --- command line -------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    from tokenflow.tools.loadtest.shapes import _positive_float, add_workload_arguments
+
+    parser.add_argument("--config", default="configs/local.yaml",
+                        help="the `serve run` config to start for each policy (default: two engines here)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    add_workload_arguments(parser)
+    parser.add_argument("--load", type=float, default=1.4,
+                        help="size the workload to this share of the app's decode capacity, measured first "
+                             "(burst: readers who together read LOAD x capacity; bursts: that many per "
+                             "burst; poisson/gamma: arrivals bringing LOAD x capacity tokens/s); "
+                             "0: take --requests and --arrival-rate as given")
+    parser.add_argument("--slo-ttft", type=_positive_float, default=2.0,
+                        help="SLO goodput: a request meets its SLO with at most this TTFT (s) ...")
+    parser.add_argument("--slo-stall", type=_positive_float, default=1.0,
+                        help="... and at most this much total stall while its reader reads (s)")
+    parser.add_argument("--engines", type=int, help="engine replicas (default: the config's num_replicas)")
+    parser.add_argument("--port", type=int, help="HTTP port of the app under test (default: the config's)")
+    parser.add_argument("--tokenflow", default="{}", help="JSON merged into the config's tokenflow block")
+    parser.add_argument("--calibration-tokens", type=int, default=256)
+    parser.add_argument("--ready-timeout", type=_positive_float, default=600.0,
+                        help="seconds each app may take to answer its first completion")
+    parser.add_argument("--app-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
+                        help="run the app under test this much below the client's CPU priority, so that on "
+                             "a machine without cores of its own for the client, the client does not starve "
+                             "(0: equal)")
+    add_metrics_arguments(parser, run_label=False)  # the run label is the policy
+    parser.add_argument("--out", default="out/bench-app")
+    parser.add_argument("--no-plots", action="store_true")
+    # A bench's answers are long and may queue behind a whole burst.
+    parser.set_defaults(model=None, max_tokens=512, request_timeout=600.0)
+
+
+def run(args) -> int:
+    launcher.stop_on_signals()  # the app under test stops with us
+    if args.load < 0:
+        raise ValueError(f"--load must be >= 0, got {args.load}")
+    if args.engines is not None and args.engines < 1:
+        raise ValueError(f"--engines must be at least 1, got {args.engines}")
+    if args.model is not None:
+        raise ValueError("bench-app sends the config's model_id; change the config, not --model")
+    tokenflow = json.loads(args.tokenflow)
+    if not isinstance(tokenflow, dict) or "policy" in tokenflow:
+        raise ValueError("--tokenflow must be a JSON object of tokenflow knobs other than policy")
+    wl = AppWorkload(shape=args.shape, requests=args.requests, rates=args.rates, max_tokens=args.max_tokens,
+                     prompt=args.prompt, arrival_rate=args.arrival_rate, cv=args.cv, bursts=args.bursts,
+                     period=args.period, seed=args.seed, load=args.load or None)
+    if wl.load and wl.shape in ("poisson", "gamma"):
+        wl = replace(wl, arrival_rate=wl.arrival_rate or 1.0)  # replaced by the calibration
+    wl.schedule()  # every workload error before any app starts
+    try:
+        summary = run_bench_app(args.out, args.config, wl, args.policies, port=args.port, engines=args.engines,
+                                tokenflow=tokenflow, slo_ttft=args.slo_ttft, slo_stall=args.slo_stall,
+                                timeout=args.request_timeout, ready_timeout=args.ready_timeout,
+                                calibration_tokens=args.calibration_tokens, plots=not args.no_plots,
+                                app_nice=args.app_nice, metrics_port=args.metrics_port)
+    except RuntimeError as e:
+        print(f"tokenflow bench-app: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary["ratios_tokenflow_vs_fcfs"]))
+    print(f"wrote {args.out}/summary.json")
+    failed = sum(r["failed"] for r in summary["results"].values())
+    return 1 if failed else 0
