@@ -251,11 +251,58 @@ def test_n_over_max_gets_400_on_generation_routes_only():
     asgi = TokenFlowGuard(make_app(), admission={"max_n": 4}, environ={})
     r = run(call(asgi, "POST", "/v1/completions", json={"prompt": "x", "n": 5}))
     assert_openai_error(r, 400, "BadRequestError")
-    assert r.json()["error"]["message"] == "n must be at most 4, got 5"
-    for body in ({"prompt": "x", "n": 4}, {"prompt": "x", "n": "5"}, {"prompt": "x"}):
+    assert r.json()["error"]["message"] == "n x prompts must be at most 4, got 5"
+    # n as the OpenAI handlers (pydantic, lax) read it, and batched prompts
+    too_many = [b'{"prompt": "x", "n": "5"}', b'{"prompt": "x", "n": 5.0}', b'{"prompt": "x", "\\u006e": 1000}',
+                b'{"prompt": ["a", "b", "c"], "n": 2}', b'{"prompt": [[1, 2], [3], [4], [5], [6]]}']
+    for body in too_many:
+        r = run(call(asgi, "POST", "/v1/completions", content=body, headers={"content-type": "application/json"}))
+        assert_openai_error(r, 400, "BadRequestError")
+    for body in ({"prompt": "x", "n": 4}, {"prompt": ["a", "b"], "n": 2}, {"prompt": [1, 2, 3, 4, 5], "n": 1},
+                 {"prompt": "x"}, {"prompt": "x", "n": "many"}):
         assert run(call(asgi, "POST", "/v1/completions", json=body)).status_code == 200, body
     assert run(call(asgi, "POST", "/v1/completions", content=b"[1]")).status_code == 200  # app decides
     assert asgi.ongoing == 0
+
+
+def test_every_route_but_health_needs_the_key_under_any_root_path():
+    app = make_app()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return {"tokens": [1]}
+
+    asgi = TokenFlowGuard(app, environ={"TOKENFLOW_API_KEYS": "s3cret"})
+    for method, path in (("POST", "/tokenize"), ("GET", "/docs"), ("GET", "/openapi.json")):
+        assert_openai_error(run(call(asgi, method, path, json={"prompt": "x"})), 401, "AuthenticationError")
+    ok = run(call(asgi, "POST", "/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"}))
+    assert ok.status_code == 200
+    assert run(call(asgi, "GET", "/health")).status_code == 200
+
+    async def under_prefix(path: str, **kw):  # a route_prefix of /llm: Serve sets root_path
+        async def root_app(scope, receive, send):
+            return await asgi(dict(scope, root_path="/llm"), receive, send)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=root_app), base_url="http://t") as c:
+            return await c.post(path, **kw)
+    assert_openai_error(run(under_prefix("/llm/v1/completions", json={"n": 1})), 401, "AuthenticationError")
+
+
+def test_slow_body_gets_408_and_frees_its_slot():
+    asgi = TokenFlowGuard(make_app(), admission={"max_ongoing_requests": 1, "body_timeout_s": 0.2}, environ={})
+
+    async def trickle():
+        yield b'{"prompt": '
+        await asyncio.sleep(2.0)
+        yield b'"x"}'
+
+    async def scenario():
+        r = await call(asgi, "POST", "/v1/completions", content=trickle(),
+                       headers={"content-type": "application/json"})
+        assert_openai_error(r, 408, "RequestTimeoutError")
+        assert asgi.ongoing == 0
+        good = await call(asgi, "POST", "/v1/completions", json={"prompt": "y"})
+        assert good.status_code == 200
+    run(scenario())
 
 
 def test_app_args_admission_block_is_validated_and_defaulted():
@@ -267,3 +314,36 @@ def test_app_args_admission_block_is_validated_and_defaulted():
         resolve_args({"admission": {"max_ongoing_requests": 0}})
     with pytest.raises(ValueError):
         resolve_args({"admission": {"api_keys": ["k"]}})  # keys are env-only
+
+
+def test_readiness_probe_passes_the_guard_when_keys_are_on(monkeypatch):
+    """`make serve` / bench-app wait for a completion to succeed: with keys
+    on they must send one (they read it from the env the app reads)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from tokenflow.tools import launcher
+
+    monkeypatch.setenv("TOKENFLOW_API_KEYS", "s3cret")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(TokenFlowGuard(make_app()), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        assert not launcher.probe(base, "m")  # no key: the guard's 401
+        assert launcher.probe(base, "m", api_key=launcher.api_key_from_env())
+        assert launcher.wait_until_ready(base, "m", timeout=10)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -28,8 +28,8 @@ from tests.engines import ROOT
 from tokenflow.core.buffer import ReaderBuffer
 from tokenflow.core.sched_state import SchedulerState, SchedulerStats
 from tokenflow.serve import metrics as tfm
-from tokenflow.tools.loadtest.exporter import CLIENT_METRICS, ClientMetrics
 from tokenflow.serve.streams import EngineTracker, tracked
+from tokenflow.tools.loadtest.exporter import CLIENT_METRICS, ClientMetrics
 
 PROMETHEUS = "/usr/bin/prometheus"
 RAY_TEMP = Path("/tmp/ray")

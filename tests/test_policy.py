@@ -4,13 +4,14 @@ and invariants over random populations (hypothesis)."""
 import math
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.policy_sim import SimEngine, SimRequest
 from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.config import TokenFlowConfig, parse_rate
 from tokenflow.core.policy import (
     BY_PRIORITY,
     KEEP_RUNNING,
@@ -89,7 +90,7 @@ def test_unstressed_engine_is_left_alone():
 def test_overload_falls_back_to_fcfs():
     policy = TokenFlowPolicy(TokenFlowConfig())
     reqs = [RequestView(f"r{i}", Phase.PAUSED, float(i), 40.0, 10.0, 10, 100, 30, 2, True) for i in range(5)]
-    eng = EngineView(16, 100, 50, 8, decode_tps=100.0, step_rate=20.0)
+    eng = EngineView(16, 100, 50, 8, decode_tps=100.0, step_rate=50.0)  # 5 x 40 tokens/s needed
     d = policy.decide(reqs, eng)
     assert d.fallback_fcfs and d.run == [f"r{i}" for i in range(5)]
 
@@ -300,3 +301,25 @@ def test_resume_mode_follows_the_measured_costs():
     unmeasured = decide(transfer_tps=None, prefill_tps=1e5)
     assert unmeasured.recompute == []
     assert {"p0", "p1"} <= set(fast_bus.run)  # p1 has nothing on the host: recompute either way
+
+
+def test_a_reader_faster_than_the_engine_does_not_force_the_fallback():
+    """Readers need at most what one running request gets (step_rate): one
+    that states 10,000 tokens/s counts as needing 50, so the rest are still
+    scheduled by the policy, not by arrival."""
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    reqs = [RequestView(f"r{i}", Phase.RUNNING, float(i), 10.0, 200.0, 100, 1000, 130, 9, True) for i in range(8)]
+    reqs.append(RequestView("fast", Phase.RUNNING, 9.0, 10_000.0, 0.0, 100, 1000, 130, 9, True))
+    reqs.append(RequestView("new", Phase.WAITING, 10.0, 10.0, 0.0, 0, 1000, 30, 2))
+    eng = EngineView(16, 100, 10, 9, decode_tps=400.0, step_rate=50.0, prefill_tps=1e4)
+    d = policy.decide(reqs, eng)
+    assert d is not None and not d.fallback_fcfs
+    assert "fast" in d.run and "new" in d.admit  # it keeps running; the newcomer gets its first token
+
+
+def test_reading_rate_bounds():
+    cfg = TokenFlowConfig()
+    assert parse_rate(None, cfg) == cfg.default_rate and parse_rate("4", cfg) == 4.0
+    for bad in (1e-9, 0.1, 0, -1, float("nan"), 1e6, True, "fast"):
+        with pytest.raises(ValueError):
+            parse_rate(bad, cfg)

@@ -38,8 +38,12 @@ class TokenFlowConfig(Settings):
                          "fraction of it); paused requests beyond it are recomputed.")
     default_rate: Positive = Field(40.0, description="Reading rate (tokens/s) assumed for requests that state "
                                                      "none; the paper's prototype default.")
+    min_rate: Positive = Field(0.5, description="Smallest reading rate (tokens/s) a client may state; below it "
+                                                "the request is rejected (a reader that slow would be parked "
+                                                "for good under contention while it holds a slot).")
     max_rate: Positive = Field(10_000.0, description="Largest reading rate (tokens/s) a client may state; beyond "
-                                                     "it the request is rejected.")
+                                                     "it the request is rejected. A reader faster than the engine "
+                                                     "serves one request counts as needing that speed only.")
     kv_headroom: Fraction = Field(0.05, description="KV blocks kept free for decode growth when packing the "
                                                     "running set, as a fraction of the pool.")
     overload_factor: Positive = Field(1.0, description="Fall back to FCFS when the readers' rates together exceed "
@@ -50,8 +54,9 @@ class TokenFlowConfig(Settings):
 
     @model_validator(mode="after")
     def _rates_ordered(self) -> "TokenFlowConfig":
-        if self.default_rate > self.max_rate:
-            raise ValueError(f"default_rate ({self.default_rate:g}) must not exceed max_rate ({self.max_rate:g})")
+        if not self.min_rate <= self.default_rate <= self.max_rate:
+            raise ValueError(f"need min_rate <= default_rate <= max_rate, got {self.min_rate:g}, "
+                             f"{self.default_rate:g}, {self.max_rate:g}")
         return self
 
 
@@ -70,6 +75,8 @@ def parse_rate(value, cfg: TokenFlowConfig) -> float:
         raise ValueError("consumption_rate must be a number (tokens/s)") from None
     if not math.isfinite(rate) or rate <= 0:
         raise ValueError("consumption_rate must be a positive, finite number (tokens/s)")
+    if rate < cfg.min_rate:
+        raise ValueError(f"consumption_rate must be at least {cfg.min_rate:g} tokens/s")
     if rate > cfg.max_rate:
         raise ValueError(f"consumption_rate must be at most {cfg.max_rate:g} tokens/s")
     return rate

@@ -12,8 +12,9 @@ Steps, as in the paper:
     free sequence slots and KV blocks (less a growth headroom). Otherwise
     vLLM admits every newcomer in this very step and nothing needs to
     pause, so TokenFlow costs nothing when nothing contends.
- 2. Overload fallback: when the readers' required rates exceed the measured
-    decode capacity, resume everything in arrival order (FCFS).
+ 2. Overload fallback: when the readers' required rates (each at most what
+    one running request gets) exceed the measured decode capacity, resume
+    everything in arrival order (FCFS).
  3. Working set: W_static = floor(M / beta); when few run,
     W_scheduled = W_static - lambda * (W_static - N_running) bounds admission.
  4. Pinning, with a hysteresis made of costs, not tuned levels (`Levels`):
@@ -148,9 +149,11 @@ class Pool:
     waiting_blocks: int  # KV blocks the waiting requests need to start
 
 
-def survey(reqs: list[RequestView]) -> Pool:
+def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
     """Split and count the requests in one pass (it runs over every live
-    request each interval that has something waiting or paused)."""
+    request each interval that has something waiting or paused). A reader
+    needs at most `rate_cap` tokens/s (what one running request gets): one
+    that states more is served at that speed whatever it states."""
     waiting, active = [], []
     required, n_running, blocks, waiting_blocks = 0.0, 0, 0, 0
     waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
@@ -162,7 +165,8 @@ def survey(reqs: list[RequestView]) -> Pool:
             waiting_blocks += r.blocks
             continue
         active.append(r)
-        required += r.rate
+        rate = r.rate
+        required += rate if rate < rate_cap else rate_cap
         if phase is running:
             n_running += 1
     return Pool(waiting, active, required, n_running, blocks, waiting_blocks)
@@ -208,7 +212,7 @@ class TokenFlowPolicy:
     def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
         """None means: no stress, leave vLLM's batch as it is."""
         cfg = self.cfg
-        pool = survey(reqs)
+        pool = survey(reqs, eng.step_rate or math.inf)
         counts = QueueCounts(pool.n_running, len(pool.waiting), len(pool.active) - pool.n_running,
                              pool.waiting_blocks, eng.free_blocks, eng.total_blocks, eng.max_num_seqs)
         if not self.needs_decision(counts):

@@ -11,21 +11,22 @@ API keys (off unless configured; never in the YAML):
                            lines are skipped)
 Both are read in the ingress replica when it builds its middleware, i.e. from
 the environment Ray gives the replica (the environment of the process that
-started Ray, or `env`/runtime_env). With at least one key, every /v1/ request
-needs `Authorization: Bearer <key>`; otherwise HTTP 401. /health stays open.
-A configured but unreadable or empty key file refuses all /v1/ traffic (fail
-closed) rather than silently serving without auth.
+started Ray, or `env`/runtime_env). With at least one key, every request
+(any route: /v1/..., /tokenize, /detokenize, whatever the ingress serves)
+needs `Authorization: Bearer <key>`; otherwise HTTP 401. Only /health stays
+open. A configured but unreadable or empty key file refuses all traffic
+(fail closed) rather than silently serving without auth. Paths are taken
+relative to the app's root_path, so a route_prefix other than / is guarded
+the same way.
 
-Admission (app arg `admission`, AdmissionSettings):
-  max_ongoing_requests  POSTs to /v1/ in flight at once in one ingress
-                        replica (admitted: running or queued in an engine).
-                        Beyond it: HTTP 429 + Retry-After. None: unbounded.
-  retry_after_s         the Retry-After value (seconds, rounded up)
-  max_body_bytes        larger request bodies get HTTP 413
-  max_n                 largest `n` (choices per request) on the JSON
-                        generation routes; larger: HTTP 400 (vLLM itself
-                        accepts any n, one sequence each: n=1000 is 1000x work)
-A POST to /v1/ whose Content-Type is neither JSON nor a form gets HTTP 415
+Admission (app arg `admission`, AdmissionSettings, every field described
+there): a bound on POSTs in flight per ingress replica (beyond: 429 +
+Retry-After), a body size limit (413), a time limit on receiving the body
+(408: a slow sender must not hold an admission slot), and a bound on the
+sequences one generation request asks for, `n` times the prompts of a
+batched completion (400; vLLM itself accepts any n, one sequence each).
+`n` is read as the OpenAI handlers will read it (JSON escapes, "5", 5.0).
+A POST whose Content-Type is neither JSON nor a form gets HTTP 415
 (FastAPI would otherwise hand the handler bytes and answer 500).
 Ray Serve's own `max_queued_requests` on the engine deployment makes the
 ingress's handle raise BackPressureError, which reaches clients as HTTP 503;
@@ -34,6 +35,7 @@ this middleware rewrites such a 503 to 429 with Retry-After as well.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -46,8 +48,8 @@ from tokenflow.core.settings import Amount, Count, Positive, Settings
 
 KEYS_ENV = "TOKENFLOW_API_KEYS"
 KEYS_FILE_ENV = "TOKENFLOW_API_KEYS_FILE"
-PROTECTED_PREFIX = "/v1"
-# JSON routes where `n` multiplies the work.
+OPEN_PATHS = ("/health",)  # answered without a key: liveness only
+# JSON routes where `n` (and a completion's prompt list) multiply the work.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ACCEPTED_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
 
@@ -63,7 +65,10 @@ class AdmissionSettings(Settings):
                                                                 "beyond it: 429 with Retry-After. null: no bound.")
     retry_after_s: Positive = Field(1.0, description="The Retry-After of a 429 (s, rounded up).")
     max_body_bytes: Count = Field(8 * 2**20, description="Larger request bodies get 413.")
-    max_n: Count = Field(16, description="Larger `n` (choices per request) gets 400.")
+    max_n: Count = Field(16, description="Most sequences one generation request may ask for: `n` times the "
+                                         "prompts of a batched completion; more gets 400.")
+    body_timeout_s: Positive = Field(30.0, description="Time to receive a request's whole body; a slower sender "
+                                                       "gets 408 and gives its admission slot back.")
     max_resends: Amount = Field(2, description="Re-sends of a request whose engine replica died before its first "
                                                "token (tokenflow/serve/failover.py).")
 
@@ -116,6 +121,41 @@ class _TooLarge(Exception):
     pass
 
 
+def relative_path(scope) -> str:
+    """The route as the ingress's handlers see it, without the root_path
+    (a route_prefix other than /)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return path
+
+
+def as_count(value) -> Optional[int]:
+    """An int as pydantic's lax mode reads one ("5", 5.0, 5), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def sequences(path: str, body: dict) -> int:
+    """How many sequences a generation request makes the engine run."""
+    n = as_count(body.get("n", 1))
+    n = 1 if n is None else n  # not a number: the handlers answer with their own 400
+    prompt = body.get("prompt") if path == "/v1/completions" else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        n *= len(prompt)  # a batch: one completion per prompt
+    return n
+
+
 class TokenFlowGuard:
     """Pure ASGI middleware (no response buffering, streams pass through)."""
 
@@ -161,8 +201,8 @@ class TokenFlowGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        if not (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")):
+        path = relative_path(scope)
+        if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if not self._authorized(scope):
             msg = ("API key configuration error on the server" if self.key_error
@@ -196,10 +236,13 @@ class TokenFlowGuard:
         self.ongoing += 1
         try:
             try:
-                body = await self._read_body(receive, limit)
+                body = await asyncio.wait_for(self._read_body(receive, limit), self.settings.body_timeout_s)
             except _TooLarge:
                 return await send_error(send, 413, f"Request body larger than {limit} bytes",
                                         "RequestTooLargeError")
+            except asyncio.TimeoutError:
+                return await send_error(send, 408, f"Request body not received within "
+                                                   f"{self.settings.body_timeout_s:g} s", "RequestTimeoutError")
             if body is None:  # client went away while sending
                 return
             if (problem := self._check_n(path, body)) is not None:
@@ -209,14 +252,17 @@ class TokenFlowGuard:
             self.ongoing -= 1
 
     def _check_n(self, path: str, body: bytes) -> Optional[str]:
-        if path not in GENERATION_PATHS or b'"n"' not in body:
+        if path not in GENERATION_PATHS:
             return None
         try:
-            n = json.loads(body).get("n")
-        except (ValueError, AttributeError):
-            return None  # not a JSON object: the app answers with its own 400
-        if isinstance(n, int) and not isinstance(n, bool) and n > self.settings.max_n:
-            return f"n must be at most {self.settings.max_n}, got {n}"
+            doc = json.loads(body)
+        except ValueError:
+            return None  # not JSON: the handlers answer with their own 400
+        if not isinstance(doc, dict):
+            return None
+        count = sequences(path, doc)
+        if count > self.settings.max_n:
+            return f"n x prompts must be at most {self.settings.max_n}, got {count}"
         return None
 
     @staticmethod

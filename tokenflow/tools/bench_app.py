@@ -189,7 +189,7 @@ def drive(app: ServedApp, wl: AppWorkload, label: str, timeout: float, metrics=N
 
     try:
         return asyncio.run(http_reader.run_schedule(app.base_url, bodies, sched.rates, sched.offsets, timeout,
-                                                    on_record))
+                                                    on_record, launcher.api_key_from_env()))
     finally:
         progress.close()
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from tokenflow.serve.guard import KeyFileError, load_api_keys
+
 
 def app_settings(config: str) -> dict:
     """Model name, host and port that a `serve run` YAML will serve."""
@@ -40,12 +42,23 @@ def app_settings(config: str) -> dict:
     }
 
 
-def probe(base_url: str, model: str, timeout: float = 30.0) -> bool:
+def api_key_from_env() -> str | None:
+    """A key the app accepts when API keys are on (read from the same
+    environment the app reads them from), so our own requests pass its guard."""
+    try:
+        keys = load_api_keys()
+    except KeyFileError:
+        return None  # the app fails closed too; probes then time out with its 401s
+    return min(keys) if keys else None
+
+
+def probe(base_url: str, model: str, timeout: float = 30.0, api_key: str | None = None) -> bool:
     """True when a one-token completion succeeds."""
     body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 1}).encode()
-    req = urllib.request.Request(
-        f"{base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=body, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status == 200
@@ -54,11 +67,12 @@ def probe(base_url: str, model: str, timeout: float = 30.0) -> bool:
 
 
 def wait_until_ready(base_url: str, model: str, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    key = api_key_from_env()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             return False
-        if probe(base_url, model):
+        if probe(base_url, model, api_key=key):
             return True
         time.sleep(2.0)
     return False

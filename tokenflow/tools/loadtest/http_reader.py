@@ -66,16 +66,17 @@ async def one_request(session, url: str, body: dict, rate: float, at: float, t0:
 
 
 async def run_schedule(base_url: str, bodies: list[dict], rates: list[float], offsets: list[float],
-                       timeout: float, progress=None) -> list[dict]:
+                       timeout: float, progress=None, api_key: str | None = None) -> list[dict]:
     """Every request of a schedule, each at its own offset; records in schedule order.
-    `progress(record)` is called as each request ends."""
+    `progress(record)` is called as each request ends; `api_key` goes out as a Bearer token."""
     import aiohttp
 
     url = base_url.rstrip("/") + CHAT_PATH
     # No connection limit (a burst opens every stream at once) and no
     # proxy from the environment: talk to the app directly.
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, trust_env=False,
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=conn, trust_env=False, headers=headers,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         t0 = time.monotonic()
 
