@@ -97,6 +97,8 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
     assert "client-side" in wl["timing"]
     # the app under test ran below the client's CPU priority
     assert wl["app_nice"] == 5 and all(a["niceness"] == 5 for a in wl["apps"].values())
+    # ... its whole session too, where the kernel shares CPU by session first
+    assert all(a["autogroup"] is None or a["autogroup"].endswith("nice 5") for a in wl["apps"].values())
     cal = wl["calibration"]
     assert cal["decode_tps"] > 0 and cal["load"] == 0.6 and cal["failed"] == 0
     assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))  # mean reading rate 25

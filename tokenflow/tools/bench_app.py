@@ -108,6 +108,15 @@ def port_free(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
+def autogroup_of(pid: int) -> str | None:
+    """The kernel's CPU group of a process and its nice ("/autogroup-90 nice 10"), where it has them."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 class ServedApp:
     """`serve run` of one config, from start to a clean stop (context manager)."""
 
@@ -291,7 +300,8 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
             records[policy] = drive(app, wl, policy, timeout, metrics)
             served[policy] = {"config": path.name, "run_s": time.monotonic() - t0,
                               # as the OS reports it for the running app, relative to ours
-                              "niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0)}
+                              "niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0),
+                              "autogroup": autogroup_of(app.proc.pid)}
             time.sleep(0.5)  # the engines' last pushes
             counters = engine_counters(app)
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)

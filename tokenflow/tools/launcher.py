@@ -83,6 +83,14 @@ def _child_setup(niceness: int):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         if niceness:
             os.nice(niceness)  # Ray's raylet and workers inherit it
+            # With the kernel's autogroups (one per session; the child has a
+            # new one), CPU is shared between sessions first and a process's
+            # nice only counts inside its own: lower the whole session too.
+            try:
+                with open("/proc/self/autogroup", "w") as f:
+                    f.write(str(niceness))
+            except OSError:
+                pass  # no autogroups here: the plain nice is what counts
     return setup
 
 
