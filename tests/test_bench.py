@@ -124,6 +124,13 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
         assert sock.connect_ex(("127.0.0.1", 8017)) != 0
 
 
+def test_bench_app_rotates_the_policy_order_with_the_seed():
+    from tokenflow.tools.bench_app import run_order
+
+    orders = [run_order(["fcfs", "andes", "tokenflow"], seed) for seed in (1, 2, 3)]
+    assert orders[2] == ["fcfs", "andes", "tokenflow"] and [o[0] for o in orders] == ["andes", "tokenflow", "fcfs"]
+
+
 def test_bench_app_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--load", "-1"], "--load"), (["--rates", "fast"], "rate"),
                       (["--config", str(tmp_path / "none.yaml")], "no such config"),

@@ -272,6 +272,15 @@ def plot_records(records: list[dict]) -> list[dict]:
 
 # --- the whole run ----------------------------------------------------------------
 
+def run_order(policies, seed: int) -> list[str]:
+    """The policies in the order their apps run: rotated by the seed, so that
+    over runs with seeds 0, 1, 2 each policy goes first once (the first app
+    also runs the calibration, and a machine drifts over a bench)."""
+    policies = list(policies)
+    k = seed % len(policies)
+    return policies[k:] + policies[:k]
+
+
 def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES, *, port: int | None = None,
                   engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
                   slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
@@ -285,7 +294,8 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
     port = port or launcher.app_settings(config)["port"]
     results, records, calibration, served = {}, {}, None, {}
     metrics = ClientMetrics(metrics_port) if metrics_port is not None else None
-    for policy in policies:
+    order = run_order(policies, wl.seed)
+    for policy in order:
         doc = app_config(config_path, policy, port, MAX_REQUESTS, engines, tokenflow or {})
         path = out / f"app-{policy}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -317,7 +327,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
                      "app_nice": app_nice,
                      "timing": "client-side: token times taken by the bench's HTTP client as SSE lines arrive "
                                "from the served app (ingress, router, engines)",
-                     "calibration": calibration, "apps": served},
+                     "calibration": calibration, "apps": served, "order": order},
         "results": results,
         "ratios_tokenflow_vs_fcfs": ratios(results, {**RATIO_KEYS, "request_goodput": "request_goodput"}),
     }
