@@ -323,3 +323,16 @@ def test_reading_rate_bounds():
     for bad in (1e-9, 0.1, 0, -1, float("nan"), 1e6, True, "fast"):
         with pytest.raises(ValueError):
             parse_rate(bad, cfg)
+
+
+def test_newcomers_that_fit_now_are_never_deferred():
+    """A burst onto an idle engine: the working set (lambda) would admit
+    half, but every newcomer that fits in the free slots and KV starts now,
+    as vLLM alone would start it; only the overflow is deferred."""
+    policy = TokenFlowPolicy(TokenFlowConfig(recompute_overcommit=0.0))
+    reqs = [RequestView(f"w{i}", Phase.WAITING, float(i), 10.0, 0.0, 0, 512, 60, 2) for i in range(40)]
+    eng = EngineView(32, 100, 100, 32, decode_tps=1000.0, step_rate=30.0, prefill_tps=1e4)
+    assert policy.working_set_room(0, 0, 2.0, eng) < 32  # lambda alone would admit fewer
+    d = policy.decide(reqs, eng)
+    assert d.admit == [f"w{i}" for i in range(32)]  # every free slot, earliest first
+    assert set(d.admit) | set(d.defer) | set(d.wait) == {r.req_id for r in reqs}

@@ -219,9 +219,12 @@ class TokenFlowPolicy:
             return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
-        room = self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng)
-        # The earliest arrivals get the room; the rest are deferred.
         by_arrival = sorted(pool.waiting, key=attrgetter("arrival_time"))
+        # The earliest arrivals get the room; the rest are deferred. The
+        # working set never defers a newcomer that fits in the free slots and
+        # KV now: vLLM alone would admit it this step.
+        room = max(self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng),
+                   self.fits_now(by_arrival, pool.n_running, eng))
         newcomers, deferred = by_arrival[:room], by_arrival[room:]
         candidates = pool.active + newcomers
         # sorted() is stable: equal keys keep the order of `candidates`.
@@ -232,6 +235,18 @@ class TokenFlowPolicy:
         return contended(q, self.cfg.kv_headroom)
 
     # --- pieces -----------------------------------------------------------
+    def fits_now(self, by_arrival: list[RequestView], n_running: int, eng: EngineView) -> int:
+        """How many of the earliest waiting requests the free sequence slots
+        and KV blocks (less the growth headroom) hold as they are."""
+        free = eng.free_blocks - math.ceil(self.cfg.kv_headroom * eng.total_blocks)
+        slots, n = eng.max_num_seqs - n_running, 0
+        for r in by_arrival:
+            if n >= slots or r.blocks > free:
+                break
+            free -= r.blocks
+            n += 1
+        return n
+
     def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:
         """How many waiting requests may join the working set now (step 3)."""
         cfg = self.cfg
