@@ -185,6 +185,11 @@ class QueueCounts:
     max_num_seqs: int
 
 
+def headroom_blocks(kv_headroom: float, total_blocks: int) -> int:
+    """KV blocks kept free for the running requests' growth."""
+    return math.ceil(kv_headroom * total_blocks)
+
+
 def contended(q: QueueCounts, kv_headroom: float) -> bool:
     """Step 1 (the stress check): someone is paused, or the waiting requests
     do not all fit in the free slots and KV blocks, less the headroom kept
@@ -192,7 +197,7 @@ def contended(q: QueueCounts, kv_headroom: float) -> bool:
     each interval before it builds any snapshot."""
     if q.n_paused or q.n_running + q.n_waiting > q.max_num_seqs:
         return True
-    return q.waiting_blocks + math.ceil(kv_headroom * q.total_blocks) > q.free_blocks
+    return q.waiting_blocks + headroom_blocks(kv_headroom, q.total_blocks) > q.free_blocks
 
 
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
@@ -238,7 +243,7 @@ class TokenFlowPolicy:
     def fits_now(self, by_arrival: list[RequestView], n_running: int, eng: EngineView) -> int:
         """How many of the earliest waiting requests the free sequence slots
         and KV blocks (less the growth headroom) hold as they are."""
-        free = eng.free_blocks - math.ceil(self.cfg.kv_headroom * eng.total_blocks)
+        free = eng.free_blocks - headroom_blocks(self.cfg.kv_headroom, eng.total_blocks)
         slots, n = eng.max_num_seqs - n_running, 0
         for r in by_arrival:
             if n >= slots or r.blocks > free:
@@ -332,7 +337,7 @@ class TokenFlowPolicy:
 
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
         """Take requests in order while sequence slots and KV blocks last."""
-        budget = eng.total_blocks - math.ceil(self.cfg.kv_headroom * eng.total_blocks)
+        budget = eng.total_blocks - headroom_blocks(self.cfg.kv_headroom, eng.total_blocks)
         grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
         slots, waiting = eng.max_num_seqs, Phase.WAITING
         chosen, used = [], 0
