@@ -232,8 +232,14 @@ def tied_populations(draw):
 @given(tied_populations())
 def test_rank_key_is_the_papers_rules(pop):
     reqs, eng, cfg = pop
-    key = TokenFlowPolicy(cfg).rank_key_fn(eng)
-    assert [key(r) for r in reqs] == [reference_key(cfg, r, eng) for r in reqs]
+    policy = TokenFlowPolicy(cfg)
+    expected = [reference_key(cfg, r, eng) for r in reqs]
+    assert [policy.rank_key(r, eng) for r in reqs] == expected
+    # rank()'s one pass over the whole list puts each request where its key says.
+    tiers = policy.tiers(reqs, eng)
+    for tier, members in enumerate(tiers):
+        assert [(v, r.req_id) for v, r in members] == [
+            (key[1], r.req_id) for r, key in zip(reqs, expected) if key[0] == tier]
 
 
 def check_follows_rank(policy, reqs, eng):

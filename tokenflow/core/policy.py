@@ -51,6 +51,7 @@ from tokenflow.core.config import TokenFlowConfig
 KEEP_RUNNING = 0  # running, its buffer at or below the pause level
 MUST_RESUME = 1  # paused, its buffer at or below the resume level
 BY_PRIORITY = 2
+_VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
 
 
 class Phase(str, Enum):
@@ -275,23 +276,18 @@ class TokenFlowPolicy:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
         highest first. Sorts are stable: equal keys keep the given order."""
-        key = self.rank_key_fn(eng)
-        tiers: tuple[list, list, list] = ([], [], [])
-        add = [t.append for t in tiers]
-        for r in candidates:
-            tier, value = key(r)
-            add[tier]((value, r))
-        first, ranked = itemgetter(0), []
-        for t in tiers:
-            t.sort(key=first)
-            ranked.extend(map(itemgetter(1), t))
+        ranked = []
+        for tier in self.tiers(candidates, eng):
+            tier.sort(key=_VALUE)
+            ranked.extend(map(_REQUEST, tier))
         return ranked
 
-    def rank_key_fn(self, eng: EngineView):
-        """Sort key (ascending): (KEEP_RUNNING or MUST_RESUME, buffer in
-        seconds) for requests that must run (step 4), else (BY_PRIORITY, -U)
-        (step 5). It runs once per candidate per decision, so the constants
-        are bound here and the clamps are comparisons, not min()/max()."""
+    def tiers(self, reqs: list[RequestView], eng: EngineView) -> tuple[list, list, list]:
+        """Each request as a (value, request) pair in its tier, in the given
+        order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
+        BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
+        all candidates per decision, so the constants are bound once and the
+        clamps are comparisons, not min()/max()."""
         cfg = self.cfg
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
@@ -301,8 +297,8 @@ class TokenFlowPolicy:
         # engine's tokens/s, not one request's.
         capacity = eng.decode_tps or lv.step_rate
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
-
-        def key(r: RequestView) -> tuple[int, float]:
+        keep, resume, rest = [], [], []
+        for r in reqs:
             rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
                 # Mid-prefill requests never pause: the work done would be
@@ -310,12 +306,14 @@ class TokenFlowPolicy:
                 # case) for one more interval, plus the swap's cost.
                 swap_s = n * swap + step
                 if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
-                    return KEEP_RUNNING, b / rate
+                    keep.append((b / rate, r))
+                    continue
                 bonus = swap_s * capacity  # tokens the engine loses to the swap
             elif phase is paused:
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
-                    return MUST_RESUME, b / rate
+                    resume.append((b / rate, r))
+                    continue
                 bonus = 0.0
             else:
                 bonus = 0.0
@@ -323,16 +321,22 @@ class TokenFlowPolicy:
             useful = high * r.max_tokens - b + rate * dt
             useful = useful if useful > 0.0 else 0.0
             useful = useful if useful < speed_dt else speed_dt
-            return BY_PRIORITY, -(useful + gamma * exp(-b / rate) + bonus)
+            rest.append((-(useful + gamma * exp(-b / rate) + bonus), r))
+        return keep, resume, rest
 
-        return key
+    def rank_key(self, r: RequestView, eng: EngineView) -> tuple[int, float]:
+        """(tier, value) of one request: where rank() puts it."""
+        for tier, members in enumerate(self.tiers([r], eng)):
+            if members:
+                return tier, members[0][0]
+        raise AssertionError("unreachable: every request has a tier")
 
     def must_run(self, r: RequestView, eng: EngineView) -> bool:
-        return self.rank_key_fn(eng)(r)[0] != BY_PRIORITY
+        return self.rank_key(r, eng)[0] != BY_PRIORITY
 
     def priority(self, r: RequestView, eng: EngineView) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
-        tier, value = self.rank_key_fn(eng)(r)
+        tier, value = self.rank_key(r, eng)
         return -value if tier == BY_PRIORITY else math.inf
 
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:

@@ -6,10 +6,13 @@ buffers of 0-30 s, the rest paused; KV is tight so every call has to pack.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.config import TokenFlowConfig
@@ -66,3 +69,47 @@ def main(sizes=(100, 400, 1000), policies=("tokenflow", "andes"), repeats: int =
     for row in rows:
         print(json.dumps(row))
     return rows
+
+
+def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50) -> dict:
+    """A/B the policy against another version of tokenflow/core/policy.py
+    (for example `git show REV:tokenflow/core/policy.py > /tmp/p.py`):
+    decide() at `n` requests, rounds alternating which runs first, so that
+    the machine's drift hits both alike; the decisions must be equal."""
+    path = Path(other_path)
+    if not path.is_file():
+        raise SystemExit(f"bench-policy: no such policy module: {other_path}")
+    spec = importlib.util.spec_from_file_location("tokenflow_policy_other", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other  # dataclasses look their module up there
+    spec.loader.exec_module(other)
+    reqs, eng = population(n)
+    views = {"this": (TokenFlowPolicy(TokenFlowConfig()), reqs, eng),
+             "other": (other.TokenFlowPolicy(TokenFlowConfig()), *_rebuilt(other, reqs, eng))}
+    medians: dict[str, list[float]] = {"this": [], "other": []}
+    for i in range(rounds):
+        for name in ("this", "other") if i % 2 else ("other", "this"):
+            policy, rs, e = views[name]
+            times = []
+            for _ in range(per_round):
+                t = time.perf_counter()
+                policy.decide(rs, e)
+                times.append(time.perf_counter() - t)
+            medians[name].append(statistics.median(times))
+    decisions = [p.decide(rs, e) for p, rs, e in views.values()]
+    same = [(d.order, d.pause_hold, d.pause_release) for d in decisions]
+    this, other_ms = (statistics.median(medians[k]) * 1e3 for k in ("this", "other"))
+    row = {"requests": n, "this_median_ms": round(this, 4), "other_median_ms": round(other_ms, 4),
+           "ratio": round(this / other_ms, 3), "same_decision": same[0] == same[1]}
+    print(json.dumps(row))
+    return row
+
+
+def _rebuilt(mod, reqs: list[RequestView], eng: EngineView):
+    """The population in the other module's own classes (its Phase enum is
+    a different type, so `is` comparisons need its members)."""
+    fields = set(mod.RequestView.__dataclass_fields__)
+    rs = [mod.RequestView(**{k: getattr(r, k) for k in fields if k != "phase"}, phase=mod.Phase(r.phase.value))
+          for r in reqs]
+    e = mod.EngineView(**{k: getattr(eng, k) for k in mod.EngineView.__dataclass_fields__ if hasattr(eng, k)})
+    return rs, e

@@ -22,9 +22,12 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_bench_policy(args) -> int:
-    from tokenflow.tools.bench_policy import main as bench
+    from tokenflow.tools.bench_policy import compare, main
 
-    bench(sizes=args.sizes, repeats=args.repeats)
+    if args.against:
+        compare(args.against)
+    else:
+        main(sizes=args.sizes, repeats=args.repeats)
     return 0
 
 
@@ -167,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-policy", help="time one policy decision at several population sizes")
     b.add_argument("--sizes", type=int, nargs="+", default=[100, 400, 1000])
     b.add_argument("--repeats", type=int, default=500)
+    b.add_argument("--against", metavar="POLICY_PY",
+                   help="A/B at 400 requests against another version of tokenflow/core/policy.py")
     b.set_defaults(func=_cmd_bench_policy)
     c = sub.add_parser("bench", help="same workload under fcfs, andes and tokenflow, side by side")
     c.add_argument("--out", default="out/bench")
