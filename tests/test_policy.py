@@ -342,3 +342,22 @@ def test_newcomers_that_fit_now_are_never_deferred():
     d = policy.decide(reqs, eng)
     assert d.admit == [f"w{i}" for i in range(32)]  # every free slot, earliest first
     assert set(d.admit) | set(d.defer) | set(d.wait) == {r.req_id for r in reqs}
+
+
+def test_bench_policy_against_another_policy_module(tmp_path):
+    """The A/B command times both and checks their decisions agree; a
+    changed decision shows as same_decision false; a bad path is a CLI error."""
+    import subprocess
+    import sys
+
+    from tokenflow.core import policy as this
+    from tokenflow.tools.bench_policy import compare
+
+    row = compare(this.__file__, n=400, rounds=2, per_round=1)
+    assert row["same_decision"] and row["this_median_ms"] > 0 and row["other_median_ms"] > 0
+    changed = tmp_path / "policy.py"
+    changed.write_text(open(this.__file__).read().replace("keep.append((b / rate, r))", "keep.append((-b / rate, r))"))
+    assert compare(str(changed), n=400, rounds=2, per_round=1)["same_decision"] is False
+    out = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-policy", "--against", "/no/such.py"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "no such policy module" in out.stderr

@@ -97,7 +97,7 @@ def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50
                 times.append(time.perf_counter() - t)
             medians[name].append(statistics.median(times))
     decisions = [p.decide(rs, e) for p, rs, e in views.values()]
-    same = [(d.order, d.pause_hold, d.pause_release) for d in decisions]
+    same = [d and (d.order, d.pause_hold, d.pause_release) for d in decisions]
     this, other_ms = (statistics.median(medians[k]) * 1e3 for k in ("this", "other"))
     row = {"requests": n, "this_median_ms": round(this, 4), "other_median_ms": round(other_ms, 4),
            "ratio": round(this / other_ms, 3), "same_decision": same[0] == same[1]}
