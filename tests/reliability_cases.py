@@ -81,6 +81,8 @@ CASES = [
     dict(name="consumption_rate negative", path=COMP, body=comp(consumption_rate=-1), status=400, message='Message: consumption_rate must be a positive, finite number (tokens/s) (Request ID: <id>)'),
     dict(name="consumption_rate 1e-9", path=COMP, body=comp(consumption_rate=1e-9), status=400,
          message='Message: consumption_rate must be at least 0.5 tokens/s (Request ID: <id>)'),
+    dict(name="consumption_rate 100000 (over max_rate)", path=COMP, body=comp(consumption_rate=100000), status=400,
+         message='Message: consumption_rate must be at most 10000 tokens/s (Request ID: <id>)'),
     dict(name="consumption_rate a string", path=COMP, body=comp(consumption_rate="fast"),
          status=400, message='Message: consumption_rate must be a number (tokens/s) (Request ID: <id>)'),
     dict(name="consumption_rate twice, different", path=COMP,
@@ -157,26 +159,43 @@ The OpenAI ingress runs one ASGI middleware outside everything else:
 
 - **API keys** (optional). Set `TOKENFLOW_API_KEYS` (comma-separated) and/or
   `TOKENFLOW_API_KEYS_FILE` (one key per line, `#` comments) in the
-  environment of the process that starts Ray (`make serve`, `serve run`).
-  Keys are never read from the YAML. With keys configured, every `/v1/...`
-  request needs `Authorization: Bearer <key>`, else HTTP 401
+  environment of the process that starts Ray (`make serve`, `serve run`),
+  or in the app args' `env` (given to the ingress too). With keys
+  configured, every route but `/health` (`/v1/...`, `/tokenize`,
+  `/detokenize`, whatever the ingress serves, relative to its root_path)
+  needs `Authorization: Bearer <key>`, else HTTP 401
   `{"error": {"type": "AuthenticationError", ...}}` with
-  `WWW-Authenticate: Bearer`. `/health` stays open. A configured key file that
-  cannot be read or holds no key refuses all `/v1/` requests (fail closed).
-  Without either variable there is no authentication.
+  `WWW-Authenticate: Bearer`. Keys are compared as SHA-256 digests against
+  every key, so the time taken tells neither which key nor its length. A
+  configured key file that cannot be read or holds no key refuses all
+  requests but `/health` (fail closed). Without either variable there is no
+  authentication, and the ingress says so in its log ("authentication is
+  OFF", naming an empty `TOKENFLOW_API_KEYS`). The readiness probes of
+  `make serve` and `tokenflow bench-app` send a key from the same variables.
 - **Admission bound**: `admission.max_ongoing_requests` (local.yaml 64,
-  gpu.yaml 1024) POST requests to `/v1/` may be in flight at once in each
-  ingress replica (for the deployment: that times `ingress_replicas`). One
-  more gets HTTP 429 `RateLimitError` with `Retry-After:
+  gpu.yaml 1024) POST requests may be in flight at once in each ingress
+  replica (for the deployment: that times `ingress_replicas`). One more
+  gets HTTP 429 `RateLimitError` with `Retry-After:
   <admission.retry_after_s, rounded up>` instead of waiting in an unbounded
   queue. If the engine deployment is given Ray Serve's
   `deployment_config.max_queued_requests`, Serve's BackPressureError (a 503
   in Ray 2.60) is rewritten to the same 429 + Retry-After.
-- **Body size**: bodies over `admission.max_body_bytes` (8 MiB) get HTTP 413
-  before they are parsed.
+- **Body size and time**: bodies over `admission.max_body_bytes` (8 MiB)
+  get HTTP 413 before they are parsed; a body not received within
+  `admission.body_timeout_s` (30 s) gets 408 and gives its admission slot
+  back.
+- **Work per request**: `n` times the prompts of a batched completion at
+  most `admission.max_n` (16), read as the handlers read them ("5", 5.0,
+  JSON escapes); more gets 400. Reading rates outside
+  `tokenflow.min_rate`..`tokenflow.max_rate` get 400.
+- **`GET /health`**: 200 `{"status": "ok", "engines": N}` while some engine
+  can serve (its state reached the ingress's slack router in the last 5 s;
+  an engine whose EngineCore died leaves at once); 503 when none can.
 
 Tested without Serve in tests/test_guard.py (keys, 401s, the bound with a
-tiny limit, 503→429, 413), and on the live app in tests/test_reliability.py.
+tiny limit, 503→429, 413, 408, n, every route under any root_path, the
+log line, keys from the app's env), and on the live app in
+tests/test_reliability.py.
 
 ## Bad input
 
@@ -249,6 +268,77 @@ survivor's finish in full; the restarted replica receives requests again
 and holds the victim's slot of the node's pool.
 The re-send logic is also tested on scripted streams (role chunk not
 repeated, bounded re-sends then 503, other errors not swallowed).
+
+## Engine core failure, replica alive (tokenflow/serve/failover.py)
+
+On a GPU the common failure is vLLM's EngineCore process dying (a CUDA
+error, an OOM) while the Serve replica lives on until its health check
+fails. Until then the replica:
+
+- refuses new work with `EngineLost`, and turns a failure of a request that
+  has not delivered a token (a whole request, a stream before its first
+  token) into `EngineLost` too: the ingress re-sends it like a request whose
+  replica died (`admission.max_resends`);
+- ends a stream that has delivered tokens with the same 503 error event as
+  a lost replica, then `[DONE]`;
+- leaves the slack routing at once: its agent stops pushing and removes the
+  engine from the state board (an idle dead engine would otherwise look
+  like the one with the most slack and draw every request);
+- then Serve's health check (LLMServer.check_health) fails and Serve
+  replaces the replica.
+
+Test (tests/test_failover.py::test_engine_core_killed_with_its_replica_alive,
+live app): 12 streams and 12 whole requests of 1,500 tokens; SIGKILL the
+EngineCore of the replica holding both kinds; its replica process stays
+alive; the engine leaves `/v1/tokenflow/engines`; `/health` stays 200; 16
+new requests meanwhile all answer 200; every whole request answers 200 in
+full; the cut streams end with the 503 event and `[DONE]`; Serve replaces
+the replica.
+
+Any other error on a stream after its first token (not an engine loss) ends
+it with `{"error": {"type": "InternalServerError", "code": 500, ...}}` and
+`[DONE]` instead of a cut connection (tests/test_failover.py, scripted
+streams).
+
+## Node KV pools: life and size (tokenflow/serve/kv_pool.py)
+
+- A node's pool actor is named after the node and a digest of the
+  `kv_pool` settings: a redeploy with other settings gets its own pool
+  instead of silently reusing the old one.
+- It lives while engines use it (hold a slot, or report within
+  `engine_ttl_s`), and removes itself once none has for
+  `kv_pool.idle_exit_s` (60 s): after `serve delete`, its memory is freed.
+  An engine that finds its pool exiting waits and creates a new one.
+- With `size_bytes` unset, the pool is `ram_fraction` of the node's memory:
+  the container's memory limit (cgroup v2 `memory.max`, v1
+  `memory.limit_in_bytes`) where that is lower than the host's RAM.
+
+Tests: tests/test_host_shm.py::test_a_pool_lives_while_engines_use_it_and_settings_get_their_own
+(real Ray, an engine stood in by a process holding a slot),
+tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_limit.
+
+## Hardening: each case and its test
+
+| case | now | test |
+| --- | --- | --- |
+| `make serve` with API keys never came up | readiness probes send a key from the same variables | tests/test_guard.py::test_readiness_probe_passes_the_guard_when_keys_are_on |
+| routes outside `/v1/`, other root_path | every route but `/health` guarded | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
+| `n` as "1000", 1000.0, escaped key; prompt lists | 400 past `max_n` sequences | rows 30-32 above (tests/test_reliability.py), tests/test_guard.py::test_n_over_max_gets_400_on_generation_routes_only |
+| slow bodies holding admission slots | 408 after `body_timeout_s`, slot back | tests/test_guard.py::test_slow_body_gets_408_and_frees_its_slot |
+| reading rate 1e-9 or 100,000 tokens/s | 400 outside `min_rate`..`max_rate` | rows 40-41 above (tests/test_reliability.py) |
+| EngineCore death, replica alive | re-sent / 503 event; out of routing at once | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive |
+| other mid-stream exceptions | 500 error event and `[DONE]` | tests/test_failover.py::test_other_errors_after_the_first_token_end_the_stream_with_an_error_event |
+| KV pool actor outliving the app; old pool on redeploy | removes itself when unused; one per settings | tests/test_host_shm.py::test_a_pool_lives_while_engines_use_it_and_settings_get_their_own |
+| pool size from host RAM in a container | within the cgroup limit | tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_limit |
+| vLLM's files left in /dev/shm by each stop | removed at stop once unmapped | tests/test_bench.py::test_bench_app_end_to_end_all_policies (three apps started and stopped) |
+| empty `TOKENFLOW_API_KEYS` silently turns auth off | log line | tests/test_guard.py::test_auth_off_is_said_in_the_log |
+| keys in the app's `env` never reached the ingress | given to the ingress | tests/test_guard.py::test_keys_in_the_app_env_reach_the_ingress |
+| key comparison leaks the key's length | SHA-256 digests compared | tests/test_guard.py::test_bad_or_missing_key_gets_401 |
+| `/health` "ok" whatever the engines' state | 503 when no engine can serve | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive, tests/test_reliability.py::test_front_door_is_wired_with_keys_off |
+| `/v1/tokenflow/engines` open to anyone | behind the keys like every route | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
+| **not done**: a re-send after ActorUnavailableError does not cancel the first attempt | Serve offers no cancel for the abandoned attempt here (its in-flight registry is kept only for direct ingress) | none |
+| **not done**: time limits on the first token and the whole stream | Ray Serve LLM's own limit bounds the time to the first chunk (`RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT`, 600 s, HTTP 408); no whole-stream limit | none |
+| **not done**: SSE keepalive comments on a parked stream; a bound on GETs | | none |
 
 ## Overload
 

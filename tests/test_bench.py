@@ -83,7 +83,10 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
     """`tokenflow bench-app`: each policy's app started from local.yaml (one
     engine here, for time), a burst sized to 0.6x of the capacity measured
     through the app, streamed over HTTP; one summary for all three."""
+    from tokenflow.tools import launcher
+
     out = tmp_path / "bench-app"
+    shm_before = launcher.shm_names()
     r = subprocess.run(
         [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--engines", "1", "--port", "8017",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
@@ -122,6 +125,9 @@ def test_bench_app_end_to_end_all_policies(tmp_path):
         assert (out / png).stat().st_size > 1000
     with socket.socket() as sock:  # the last app is gone
         assert sock.connect_ex(("127.0.0.1", 8017)) != 0
+    # Three apps started and stopped: none left vLLM's shared-memory files behind.
+    left = [n for n in launcher.shm_names() - shm_before if n.startswith(launcher.SHM_LEFTOVERS)]
+    assert not left, left
 
 
 def test_bench_app_rotates_the_policy_order_with_the_seed():

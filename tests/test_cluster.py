@@ -390,15 +390,15 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     import httpx
     import ray
 
-    from tokenflow.serve.kv_pool import NAMESPACE, list_pools, pool_name
+    from tokenflow.serve.kv_pool import NAMESPACE, list_pools
 
     base = cluster_app["base"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
 
     # One KV pool per engine node, none on the engine-less head node.
-    pools = list_pools()
-    assert sorted(pools) == sorted(cluster_app["nodes"])
-    stats = [ray.get(ray.get_actor(pool_name(n), namespace=NAMESPACE).stats.remote(), timeout=30) for n in pools]
+    pools = list_pools()  # actor name -> node id
+    assert sorted(pools.values()) == sorted(cluster_app["nodes"])
+    stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote(), timeout=30) for n in pools]
     for st in stats:
         assert st["running_on"] == st["node_id"]  # pinned where it belongs
         assert st["total_bytes"] == 64 * 2**20
@@ -413,7 +413,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     # Each engine registered with its own node's pool and got the whole pool.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        stats = [ray.get(ray.get_actor(pool_name(n), namespace=NAMESPACE).stats.remote()) for n in pools]
+        stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote()) for n in pools]
         if all(len(st["engines"]) == 1 for st in stats):
             break
         time.sleep(0.5)

@@ -12,7 +12,13 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from tokenflow.serve.failover import LOST_MESSAGE, resend_until_first_token
+from tokenflow.serve.failover import (
+    FAILED_MESSAGE,
+    LOST_MESSAGE,
+    EngineLost,
+    bounce_if_engine_dead,
+    resend_until_first_token,
+)
 
 
 def sse(text: str | None = None, role: bool = False) -> str:
@@ -86,6 +92,57 @@ def test_other_errors_are_not_swallowed():
     with pytest.raises(ValueError):
         run(open_stream)
     assert len(calls) == 1
+
+
+def test_other_errors_after_the_first_token_end_the_stream_with_an_error_event():
+    open_stream, calls = scripted([sse(role=True), sse("a"), ValueError("boom")])
+    out, lost = run(open_stream)
+    assert len(calls) == 1 and lost == []  # not an engine loss: not re-sent, not counted
+    err = json.loads(out[-1][len("data: "):])["error"]
+    assert err["code"] == 500 and err["message"] == FAILED_MESSAGE
+
+
+def test_engine_core_death_is_resent_like_a_lost_replica():
+    open_stream, calls = scripted([sse(role=True), EngineLost("core died")], [sse(role=True), sse("a")])
+    out, lost = run(open_stream)
+    assert out == [sse(role=True), sse("a")] and lost == ["resent"] and len(calls) == 2
+
+
+VLLM_ERROR = 'data: {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError"}}\n\n'
+
+
+def bounced(script, dead: bool):
+    async def gen():
+        for item in script:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def collect():
+        return [x async for x in bounce_if_engine_dead(gen(), lambda: dead)]
+    return asyncio.run(collect())
+
+
+def test_replica_with_a_dead_engine_bounces_what_has_not_started():
+    # A stream: vLLM's error event before any token.
+    with pytest.raises(EngineLost):
+        bounced([[sse(role=True)], [VLLM_ERROR, "data: [DONE]\n\n"]], dead=True)
+    # A whole request: vLLM raises.
+    with pytest.raises(EngineLost):
+        bounced([RuntimeError("EngineDeadError")], dead=True)
+    # The engine alive: errors are the request's own, passed on as they are.
+    assert bounced([VLLM_ERROR], dead=False) == [VLLM_ERROR]
+    with pytest.raises(RuntimeError):
+        bounced([RuntimeError("bad")], dead=False)
+
+
+def test_replica_with_a_dead_engine_ends_a_started_stream_with_the_lost_event():
+    out = bounced([[sse("a")], [sse("b"), VLLM_ERROR, "data: [DONE]\n\n"]], dead=True)
+    assert out[0] == [sse("a")]
+    b, event, done = out[1]  # the batch keeps its token and its [DONE]
+    assert b == sse("b") and done == "data: [DONE]\n\n"
+    err = json.loads(event[len("data: "):])["error"]
+    assert err["code"] == 503 and LOST_MESSAGE in err["message"]
 
 
 # --- a real replica killed during a burst ----------------------------------------
@@ -231,3 +288,91 @@ def test_replica_killed_during_a_burst(serve_app):
     holders = {h["engine_id"]: i for i, h in enumerate(shm["slots"]) if h}
     assert holders.get(newcomer["engine_id"]) == slot_of[victim["engine_id"]], shm
     assert shm["slots_reused"] >= 1 and shm["bytes"] == pool_before["shared_memory"]["bytes"]
+
+
+def _engine_core_of(replica_pid: int):
+    """The vLLM EngineCore process under a replica (it titles itself VLLM::EngineCore)."""
+    import psutil
+
+    for child in psutil.Process(replica_pid).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_engine_core_killed_with_its_replica_alive(serve_app):
+    """SIGKILL one replica's vLLM EngineCore (the replica process lives on,
+    as when a GPU engine dies): whole requests that had not finished are
+    re-sent and answer 200 in full; its started streams end with the 503
+    error event and [DONE]; the engine leaves the routing at once, so new
+    requests all succeed while Serve's health check replaces the replica;
+    /health stays 200 (the other engine serves)."""
+    import os
+    import signal
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    base, model = serve_app["base_url"], serve_app["model"]
+    _wait_engines(base, 2, timeout=600)
+    max_tokens = 1500
+    body = lambda p, **kw: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
+                            "temperature": 0, **kw}
+    pool = ThreadPoolExecutor(24)
+    streams, wholes = [], []
+    for i in range(24):
+        p = f"Engine core {i}: the river and the mountain"
+        if i % 2:
+            wholes.append(pool.submit(httpx.post, base + "/v1/completions", json=body(p), timeout=600))
+        else:
+            streams.append(pool.submit(_stream, base, body(p, consumption_rate=20)))
+
+    victim, deadline = None, time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline:
+        busy = [e for e in _engines(base)["engines"] if e["fresh"] and e["running"] > 0 and e["unary"] > 0]
+        victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
+        if victim is None:
+            time.sleep(0.05)
+    assert victim is not None, "no engine held streams and whole requests at once"
+    core = _engine_core_of(victim["pid"])
+    assert core is not None, "no EngineCore process under the replica"
+    lost_before = _engines(base)["replicas_lost"]
+    core.send_signal(signal.SIGKILL)
+
+    # It leaves the routing within a few pushes, while its replica lives on.
+    deadline = time.monotonic() + 30
+    while victim["engine_id"] in {e["engine_id"] for e in _engines(base)["engines"]}:
+        assert time.monotonic() < deadline, "the engine without its core stayed in the routing"
+        time.sleep(0.2)
+    os.kill(victim["pid"], 0)  # raises if the replica process is gone
+    health = httpx.get(base + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["engines"] >= 1, health.text
+    # New requests meanwhile all succeed (none routed to the dead engine fails).
+    short = {"model": model, "prompt": "while it is replaced", "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(8) as p:
+        replies = list(p.map(lambda _: httpx.post(base + "/v1/completions", json=short, timeout=300), range(16)))
+    assert [r.status_code for r in replies] == [200] * 16, [r.text[:200] for r in replies]
+
+    stream_recs = [f.result(timeout=600) for f in streams]
+    whole_replies = [f.result(timeout=600) for f in wholes]
+    pool.shutdown()
+    assert [r.status_code for r in whole_replies] == [200] * 12, [r.text[:200] for r in whole_replies]
+    assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
+    assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
+    cut = [s for s in stream_recs if s["errors"]]
+    assert cut, "no stream of the victim ended with an error event"
+    for s in cut:
+        assert s["errors"][0]["code"] == 503 and LOST_MESSAGE in s["errors"][0]["message"] and s["chunks"] > 0
+    assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"])
+    # The ingress counts its re-sends; the cut streams were ended by the
+    # replica itself (its event replaces vLLM's), not seen as a loss there.
+    lost = {k: v - lost_before[k] for k, v in _engines(base)["replicas_lost"].items()}
+    assert lost["resent"] >= 1 and lost["gave_up"] == 0, lost
+
+    # Serve's health check replaces the replica; later tests get two engines again.
+    _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})

@@ -347,3 +347,35 @@ def test_readiness_probe_passes_the_guard_when_keys_are_on(monkeypatch):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_auth_off_is_said_in_the_log():
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("ray.serve")
+    log.addHandler(handler)
+    try:
+        TokenFlowGuard(make_app(), environ={})
+        TokenFlowGuard(make_app(), environ={"TOKENFLOW_API_KEYS": " "})
+        TokenFlowGuard(make_app(), environ={"TOKENFLOW_API_KEYS": "k"})
+    finally:
+        log.removeHandler(handler)
+    said = [r.getMessage() for r in records]
+    assert len(said) == 2 and all("authentication is OFF" in m for m in said), said
+    assert "neither TOKENFLOW_API_KEYS" in said[0] and "holds no key" in said[1]
+
+
+def test_keys_in_the_app_env_reach_the_ingress():
+    """The app args' `env` is the replicas' environment: keys given there
+    must guard the ingress (which reads them), not only reach the engines."""
+    from tokenflow.serve.app import build_app
+
+    app = build_app({"env": {"TOKENFLOW_API_KEYS": "k1,k2", "OMP_NUM_THREADS": "1"},
+                     "kv_pool": {"enabled": False}})
+    options = app._bound_deployment.ray_actor_options
+    assert options["runtime_env"]["env_vars"] == {"TOKENFLOW_API_KEYS": "k1,k2"}
+    assert "runtime_env" not in (build_app({"kv_pool": {"enabled": False}})._bound_deployment.ray_actor_options
+                                 or {})

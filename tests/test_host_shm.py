@@ -101,3 +101,68 @@ def test_slot_table_reuses_only_slots_whose_holder_is_gone():
     assert t.holders[0] == SlotHolder("e1", 0)
     with pytest.raises(PoolFull):
         t.acquire("e4", 15)
+
+
+def test_pool_default_size_stays_within_a_containers_memory_limit(tmp_path):
+    """kv_pool.size_bytes null: ram_fraction of the node's memory, which
+    inside a container is its memory limit where that is lower than RAM."""
+    from tokenflow.serve.kv_pool import node_ram_bytes
+
+    ram = node_ram_bytes(limit_files=())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")  # cgroup v2 without a limit
+    v1.write_text(f"{2**30}\n")
+    assert node_ram_bytes(limit_files=(str(v2),)) == ram
+    assert node_ram_bytes(limit_files=(str(tmp_path / "absent"), str(v1))) == min(ram, 2**30)
+    v2.write_text(f"{ram * 4}\n")  # a limit above RAM: RAM bounds it
+    assert node_ram_bytes(limit_files=(str(v2),)) == ram
+
+
+POOL_LIFE = r'''
+import json, subprocess, time
+import ray
+from tokenflow.serve import kv_pool
+
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+node = ray.get_runtime_context().get_node_id()
+small = kv_pool.KVPoolSettings.from_dict(
+    {"offload": True, "size_bytes": 2**20, "idle_exit_s": 1.0, "engine_ttl_s": 1.0})
+large = kv_pool.KVPoolSettings.from_dict({**small.to_dict(), "size_bytes": 2**21, "idle_exit_s": 5.0})
+out = {}
+engine = subprocess.Popen(["sleep", "120"])  # stands in for an engine process
+ray.get(kv_pool.get_node_pool(node, small).acquire_slot.remote("engine-1", engine.pid), timeout=60)
+time.sleep(3)  # past idle_exit_s: the engine's process still holds its slot
+out["held"] = sorted(kv_pool.list_pools())
+# A redeploy with another size gets a pool of its own, not the old one.
+out["large_bytes"] = ray.get(kv_pool.get_node_pool(node, large).stats.remote(), timeout=60)["shared_memory"]["bytes"]
+out["both"] = sorted(kv_pool.list_pools())
+engine.kill(); engine.wait()  # the app is deleted: its engines are gone
+deadline = time.monotonic() + 30
+while kv_pool.list_pools() and time.monotonic() < deadline:
+    time.sleep(0.2)
+out["after"] = sorted(kv_pool.list_pools())
+out["names"] = [kv_pool.pool_name(node, small), kv_pool.pool_name(node, large)]
+ray.shutdown()
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_a_pool_lives_while_engines_use_it_and_settings_get_their_own():
+    """A node's pool actor (real Ray, engines stood in by a process holding
+    a slot): kept while an engine holds its slot; a deploy with another
+    size gets its own pool; once no engine uses them, both remove
+    themselves (kv_pool.idle_exit_s) and their memory goes with them."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", POOL_LIFE], capture_output=True, text=True, timeout=300)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, (r.stdout[-2000:], r.stderr[-3000:])
+    out = json.loads(line[0][len("RESULT "):])
+    small, large = out["names"]
+    assert small != large
+    assert out["held"] == [small]
+    assert out["large_bytes"] == 2**21 and out["both"] == sorted([small, large])
+    assert out["after"] == [], out

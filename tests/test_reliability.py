@@ -78,7 +78,8 @@ def test_front_door_is_wired_with_keys_off(serve_app):
     Authorization header pass; /health is open."""
     assert "TOKENFLOW_API_KEYS" not in os.environ and "TOKENFLOW_API_KEYS_FILE" not in os.environ
     base = serve_app["base_url"]
-    assert httpx.get(base + "/health", timeout=30).json() == {"status": "ok"}
+    health = httpx.get(base + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
     r = httpx.get(base + "/v1/models", timeout=30)
     assert r.status_code == 200 and serve_app["model"] in [m["id"] for m in r.json()["data"]]
     r = httpx.post(base + "/v1/completions", content=b'{"model": "x", "prompt": "' + b"a" * (9 * 2**20) + b'"}',

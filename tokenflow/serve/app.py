@@ -113,6 +113,10 @@ def build_app(args: dict | None = None):
     ingress_config = {"num_replicas": a["ingress_replicas"]}
     if a["ingress_num_cpus"] is not None:
         ingress_config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
+    # API keys given in the app's `env` guard the ingress, which reads them.
+    keys_env = {k: str(v) for k, v in a["env"].items() if k in (guard.KEYS_ENV, guard.KEYS_FILE_ENV)}
+    if keys_env:
+        ingress_config.setdefault("ray_actor_options", {})["runtime_env"] = {"env_vars": keys_env}
     options = maybe_apply_llm_deployment_config_defaults(
         TokenFlowIngress.get_deployment_options([llm_config]), ingress_config)
     fastapi_app = init_fastapi()

@@ -1,10 +1,15 @@
-"""What the ingress does when an engine replica dies under a request.
+"""What happens to a request whose engine dies under it.
 
-A request that has not delivered a token yet is re-sent (Serve's router has
-already dropped the dead replica, so the next attempt goes elsewhere); the
-client sees at most a later first token. A stream that has delivered tokens
-cannot be replayed without repeating them, so it ends with an explicit SSE
-error event (then `[DONE]`), never a silent hang or a cut connection.
+An engine is lost when its replica dies (Ray's actor errors on the handle's
+stream) or when its vLLM EngineCore dies with the replica alive (the
+replica then raises EngineLost: `bounce_if_engine_dead`). A request that
+has not delivered a token yet is re-sent (Serve's router has already
+dropped a dead replica, and a replica without an engine has left the slack
+routing, so the next attempt goes elsewhere); the client sees at most a
+later first token. A stream that has delivered tokens cannot be replayed
+without repeating them, so it ends with an explicit SSE error event (then
+`[DONE]`), never a silent hang or a cut connection; so does a stream cut by
+any other error once tokens went out.
 
 Chunks with no token (a chat stream's opening role chunk) are held back
 until the first token arrives, so a re-send never shows the client a second
@@ -19,15 +24,29 @@ from typing import AsyncIterator, Callable
 
 from ray import exceptions as ray_exceptions
 
-from tokenflow.serve.sse import count_chunk
+from tokenflow.serve.sse import count_chunk, sse_events
 
 logger = logging.getLogger("ray.serve")
 
-# How a dead or unreachable replica shows up on a Serve handle's stream.
-# ActorDiedError is a RayActorError.
-REPLICA_LOST = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+class EngineLost(RuntimeError):
+    """Raised by a replica whose vLLM EngineCore has died: the request never
+    started there and may be re-sent to another engine."""
+
+
+# How a dead or unreachable replica, or a replica without its engine, shows
+# up on a Serve handle's stream. ActorDiedError is a RayActorError.
+REPLICA_LOST = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EngineLost)
 
 LOST_MESSAGE = "the engine serving this request failed"
+FAILED_MESSAGE = "the request failed mid-stream; the response is incomplete"
+
+
+def engine_lost(e: BaseException) -> bool:
+    """Whether an error on a handle's stream means the engine is gone. A
+    replica's own exception arrives as a RayTaskError that is also an
+    instance of its cause's class; the cause is checked too in case it is not."""
+    return isinstance(e, REPLICA_LOST) or isinstance(getattr(e, "cause", None), EngineLost)
 
 
 def carries_token(item) -> bool:
@@ -37,11 +56,20 @@ def carries_token(item) -> bool:
     return count_chunk(item)[0] > 0
 
 
-def lost_event(message: str) -> str:
-    """The SSE event a stream ends with when its engine dies mid-stream
-    (the shape OpenAI clients raise as an APIError)."""
-    err = {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
+def lost_event(message: str, type_: str = "ServiceUnavailableError", code: int = 503) -> str:
+    """The SSE event a stream ends with when it cannot go on (the shape
+    OpenAI clients raise as an APIError); [DONE] follows (Serve LLM's
+    stream wrapper adds it)."""
+    err = {"error": {"message": message, "type": type_, "code": code}}
     return f"data: {json.dumps(err)}\n\n"
+
+
+def is_error_event(item) -> bool:
+    """Whether a streamed chunk (an SSE string or a batch of them) carries
+    an error event, as vLLM's stream generators yield one on failure."""
+    if isinstance(item, (list, tuple)):
+        return any(is_error_event(x) for x in item)
+    return isinstance(item, str) and '"error"' in item and any("error" in ev for ev in sse_events(item))
 
 
 def unavailable_response(message: str):
@@ -79,7 +107,13 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
             for x in held:  # ended without a token (e.g. max_tokens=0)
                 yield x
             return
-        except REPLICA_LOST as e:
+        except Exception as e:
+            if not engine_lost(e):
+                if not flowing:
+                    raise  # nothing went out: the ingress answers with its own error
+                logger.warning(f"TokenFlow ingress: stream failed after its first token: {e!r}")
+                yield lost_event(FAILED_MESSAGE, "InternalServerError", 500)
+                return
             outcome = "ended_mid_stream" if flowing else "gave_up" if attempt == resends else "resent"
             if on_lost is not None:
                 on_lost(outcome)
@@ -92,3 +126,31 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
                                            f"{resends} re-sends failed too; retry later")
                 return
+
+
+async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) -> AsyncIterator:
+    """A replica's response stream, where a failure caused by its dead
+    EngineCore raises EngineLost while no token has gone out (so that the
+    ingress re-sends the request), and after that ends the stream with the
+    same event as a lost replica. vLLM ends a stream whose engine died with
+    its own error event, and raises for a whole request."""
+    flowing = False
+    try:
+        async for item in gen:
+            if is_error_event(item) and dead():
+                if not flowing and not carries_token(item):
+                    raise EngineLost("the engine core of this replica has died")
+                event = lost_event(f"{LOST_MESSAGE} mid-stream; the response is incomplete")
+                if isinstance(item, (list, tuple)):  # a batch: keep its tokens and its [DONE]
+                    item = [event if is_error_event(x) else x for x in item]
+                else:
+                    item = event
+            if not flowing:  # parsed only until the first token: this is every chunk's path
+                flowing = carries_token(item)
+            yield item
+    except EngineLost:
+        raise
+    except Exception as e:
+        if flowing or not dead():
+            raise
+        raise EngineLost(f"the engine core of this replica has died: {e!r}") from None

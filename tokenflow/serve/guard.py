@@ -11,7 +11,8 @@ API keys (off unless configured; never in the YAML):
                            lines are skipped)
 Both are read in the ingress replica when it builds its middleware, i.e. from
 the environment Ray gives the replica (the environment of the process that
-started Ray, or `env`/runtime_env). With at least one key, every request
+started Ray, or the app args' `env`, which tokenflow/serve/app.py gives
+the ingress too). With at least one key, every request
 (any route: /v1/..., /tokenize, /detokenize, whatever the ingress serves)
 needs `Authorization: Bearer <key>`; otherwise HTTP 401. Only /health stays
 open. A configured but unreadable or empty key file refuses all traffic
@@ -36,8 +37,10 @@ this middleware rewrites such a 503 to 429 with Retry-After as well.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 from typing import Iterable, Optional
@@ -45,6 +48,8 @@ from typing import Iterable, Optional
 from pydantic import Field
 
 from tokenflow.core.settings import Amount, Count, Positive, Settings
+
+logger = logging.getLogger("ray.serve")
 
 KEYS_ENV = "TOKENFLOW_API_KEYS"
 KEYS_FILE_ENV = "TOKENFLOW_API_KEYS_FILE"
@@ -171,6 +176,14 @@ class TokenFlowGuard:
                 self.keys = load_api_keys(environ)
             except KeyFileError as e:
                 self.keys, self.key_error = frozenset(), str(e)
+        self._key_digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in self.keys or ()]
+        if self.keys is None:
+            empty = KEYS_ENV in (environ if environ is not None else os.environ)
+            logger.warning("TokenFlow guard: authentication is OFF: %s", (
+                f"{KEYS_ENV} is set but holds no key" if empty and api_keys is None
+                else f"neither {KEYS_ENV} nor {KEYS_FILE_ENV} is set"))
+        elif self.key_error:
+            logger.error("TokenFlow guard: %s; every request but /health gets 401", self.key_error)
         self.ongoing = 0
         retry = str(max(1, math.ceil(self.settings.retry_after_s))).encode()
         self._retry_header = (b"retry-after", retry)
@@ -192,10 +205,12 @@ class TokenFlowGuard:
         scheme, _, token = header.decode("latin-1").strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return False
-        token_b = token.strip().encode("utf-8", "surrogateescape")
+        # Digests of equal length, compared against every key: the time
+        # taken tells neither which key nor how long the keys are.
+        token_d = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
         ok = False
-        for key in self.keys:  # compare against every key: no early exit by key
-            ok |= hmac.compare_digest(token_b, key.encode("utf-8"))
+        for key_d in self._key_digests:
+            ok |= hmac.compare_digest(token_d, key_d)
         return ok
 
     async def __call__(self, scope, receive, send):

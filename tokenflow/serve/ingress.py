@@ -28,6 +28,12 @@ TOKENFLOW_ENDPOINTS = {
 }
 
 
+# A pushed state older than this does not count as an engine able to serve
+# (/health): far above the push interval, so that a busy moment of the host
+# does not flap the health check.
+HEALTH_STATE_AGE_S = 5.0
+
+
 class TokenFlowIngress(OpenAiIngress):
     """ray.serve.llm's OpenAI ingress plus GET /health and GET /v1/tokenflow/engines."""
 
@@ -69,8 +75,19 @@ class TokenFlowIngress(OpenAiIngress):
         self._tf_lost[outcome] += 1
 
     async def health(self):
-        # The ingress answers; engine liveness is Serve's health checks' job.
-        return {"status": "ok"}
+        """200 while some engine can serve: one whose state reached this
+        ingress's slack router lately (an engine whose EngineCore died
+        leaves at once, a dead replica within seconds); else 503, so that a
+        load balancer sends elsewhere. Without the slack routing, or before
+        its first read of the states, it answers for the ingress alone."""
+        tables = list(board.LOCAL_ROUTERS.values())
+        if not self._tf_settings.enabled or not any(t.has_read for t in tables):
+            return {"status": "ok"}
+        max_age = max(HEALTH_STATE_AGE_S, 10 * self._tf_settings.stale_after_s)
+        serving = max(t.serving_engines(max_age) for t in tables)
+        if serving:
+            return {"status": "ok", "engines": serving}
+        return JSONResponse({"status": "unavailable", "engines": 0}, status_code=503)
 
     async def tokenflow_engines(self):
         """Every engine's pushed state as the state board holds it (age,

@@ -16,17 +16,26 @@ report:
 
 The app builder creates one per alive node that can host an engine; an
 engine also asks for its own node's pool when it starts (a node added
-later). Both use a detached actor named after the node id with
-get_if_exists, pinned to the node, so there is never more than one per node.
-If the actor itself restarts, it commits a new file; engines already running
-keep the old one (freed when they exit), so for that while the node holds
-more than its pool.
+later). Both use a detached actor named after the node id and a digest of
+the kv_pool settings, with get_if_exists, pinned to the node: one per node
+and settings. A pool lives as long as engines use it: once no engine has
+held a slot or reported for `idle_exit_s`, it removes itself and its memory
+is freed (after `serve delete`; and a redeploy with other kv_pool settings
+gets a pool of its own while the old one drains). Detached, so that it
+outlives any one engine replica: a restarted engine takes over the slot its
+predecessor left. If the actor itself restarts, it commits a new file;
+engines already running keep the old one (freed when they exit), so for
+that while the node holds more than its pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -38,6 +47,7 @@ from tokenflow.kv_offload import host_shm
 
 NAMESPACE = "tokenflow"
 NAME_PREFIX = "tokenflow-kv-pool:"
+logger = logging.getLogger("ray")
 
 
 class KVPoolSettings(Settings):
@@ -51,8 +61,9 @@ class KVPoolSettings(Settings):
                                              "instead of recompute.")
     size_bytes: Amount | None = Field(None, description="Host KV pool per node in bytes; null: ram_fraction of the "
                                                         "node's RAM.")
-    ram_fraction: float = Field(0.2, gt=0, lt=1, description="Share of the node's RAM for the pool when size_bytes "
-                                                             "is null.")
+    ram_fraction: float = Field(0.2, gt=0, lt=1, description="Share of the node's RAM (or of the container's "
+                                                             "memory limit, if lower) for the pool when "
+                                                             "size_bytes is null.")
     engines_per_node: Count = Field(1, description="Engines a node runs at most (GPUs per node; replicas on a CPU "
                                                    "box): each engine's tier is fixed at size / engines_per_node, "
                                                    "so a node's engines never hold more than its pool.")
@@ -62,6 +73,12 @@ class KVPoolSettings(Settings):
     shm_dir: str = Field("/dev/shm", description="A tmpfs with room for size_bytes.")
     report_interval_s: Positive = Field(1.0, description="How often (s) engines report their counters to the pool.")
     engine_ttl_s: Positive = Field(30.0, description="An engine silent this long (s) gives its share back.")
+    idle_exit_s: Positive = Field(60.0, description="A pool no engine has used (held a slot or reported) for this "
+                                                    "long (s) removes itself and frees its memory.")
+
+    def fingerprint(self) -> str:
+        """A digest of these settings: a pool serves engines of the same settings only."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
 
     def node_bytes(self) -> int:
         return self.size_bytes if self.size_bytes is not None else int(node_ram_bytes() * self.ram_fraction)
@@ -102,6 +119,11 @@ class PoolAccounting:
 
     def unregister(self, engine_id: str) -> None:
         self.engines.pop(engine_id, None)
+
+    def engine_ids(self) -> list[str]:
+        """Engines registered and not silent past the TTL."""
+        self._expire()
+        return sorted(self.engines)
 
     def report(self, engine_id: str, counters: dict) -> int:
         self.register(engine_id)  # a report also proves the engine is alive
@@ -165,8 +187,24 @@ class SlotTable:
         return [None if h is None else {"engine_id": h.engine_id, "pid": h.pid} for h in self.holders]
 
 
-def node_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+# Where a container's memory limit shows (cgroup v2, then v1).
+CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def node_ram_bytes(limit_files=CGROUP_LIMIT_FILES) -> int:
+    """The memory this node's processes may use: the host's RAM, or the
+    container's memory limit where that is lower (a pool sized from host
+    RAM inside a smaller container gets the engines OOM-killed)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in limit_files:
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead
+            return min(ram, int(raw))
+    return ram
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -183,6 +221,35 @@ class KVPoolActor:
             self.file = host_shm.PoolFile(s.shm_dir, f"{node_id[:12]}-{os.getpid()}", total)
             self.slots = SlotTable(s.engines_per_node, self._held)
         self.pool = PoolAccounting(total, s.engine_ttl_s, engines_per_node=s.engines_per_node)
+        self.idle_exit_s = s.idle_exit_s
+        self._used_at = time.monotonic()
+        threading.Thread(target=self._watch_idle, daemon=True, name="kv-pool-idle").start()
+
+    def _watch_idle(self) -> None:
+        # The check runs as an actor call, so it is serialized with the
+        # engines' calls and never races them over the tables.
+        me = ray.get_runtime_context().current_actor
+        while True:
+            time.sleep(min(5.0, self.idle_exit_s / 4))
+            try:
+                ray.get(me.exit_if_idle.remote())
+            except Exception:
+                return  # exiting
+
+    def in_use(self) -> bool:
+        """An engine holds a slot (its process lives, or maps its bytes) or reports."""
+        if self.pool.engine_ids():
+            return True
+        return self.slots is not None and any(
+            h is not None and self._held(i, h) for i, h in enumerate(self.slots.holders))
+
+    def exit_if_idle(self) -> None:
+        now = time.monotonic()
+        if self.in_use():
+            self._used_at = now
+        elif now - self._used_at >= self.idle_exit_s:
+            logger.info(f"TokenFlow KV pool of node {self.node_id}: unused for {self.idle_exit_s:g} s; removing it")
+            ray.actor.exit_actor()  # an intended exit: not restarted
 
     def _held(self, slot: int, h: SlotHolder) -> bool:
         if host_shm.pid_alive(h.pid):
@@ -221,20 +288,20 @@ class KVPoolActor:
         return out
 
 
-def pool_name(node_id: str) -> str:
-    return NAME_PREFIX + node_id
+def pool_name(node_id: str, settings: KVPoolSettings) -> str:
+    return f"{NAME_PREFIX}{node_id}:{settings.fingerprint()}"
 
 
 def get_node_pool(node_id: str, settings: KVPoolSettings | dict | None = None):
-    """Handle to the pool of `node_id`, created there on first use."""
+    """Handle to the pool of `node_id` for these settings, created there on first use."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if isinstance(settings, KVPoolSettings):
-        settings = settings.to_dict()
+    if not isinstance(settings, KVPoolSettings):
+        settings = KVPoolSettings.from_dict(settings)
     return KVPoolActor.options(
-        name=pool_name(node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        name=pool_name(node_id, settings), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(node_id, settings)
+    ).remote(node_id, settings.to_dict())
 
 
 def engine_nodes(required: dict[str, float]) -> list[str]:
@@ -252,32 +319,32 @@ def ensure_node_pools(settings: KVPoolSettings, required: dict[str, float]) -> d
     return {nid: get_node_pool(nid, settings) for nid in engine_nodes(required)}
 
 
-def list_pools() -> list[str]:
-    """Node ids that have a pool actor (alive or restarting)."""
+def list_pools() -> dict[str, str]:
+    """Pool actor name -> its node id, for every pool (alive or restarting)."""
     from ray.util import list_named_actors
 
     names = list_named_actors(all_namespaces=True)
-    return sorted(a["name"][len(NAME_PREFIX):] for a in names
-                  if a.get("namespace") == NAMESPACE and a["name"].startswith(NAME_PREFIX))
+    return {a["name"]: a["name"][len(NAME_PREFIX):].split(":")[0] for a in names
+            if a.get("namespace") == NAMESPACE and a["name"].startswith(NAME_PREFIX)}
 
 
 async def pool_stats(timeout: float = 5.0) -> dict[str, dict]:
-    """stats() of every node pool, by node id (for /v1/tokenflow/engines)."""
+    """stats() of every pool, by actor name (for /v1/tokenflow/engines)."""
     out = {}
-    for nid in await asyncio.to_thread(list_pools):  # GCS look-ups: off the event loop
+    for name in await asyncio.to_thread(list_pools):  # GCS look-ups: off the event loop
         try:
-            handle = await asyncio.to_thread(ray.get_actor, pool_name(nid), namespace=NAMESPACE)
-            out[nid] = await asyncio.wait_for(handle.stats.remote(), timeout)
+            handle = await asyncio.to_thread(ray.get_actor, name, namespace=NAMESPACE)
+            out[name] = await asyncio.wait_for(handle.stats.remote(), timeout)
         except Exception as e:
-            out[nid] = {"error": repr(e)}
+            out[name] = {"error": repr(e)}
     return out
 
 
 def kill_node_pools() -> int:
     n = 0
-    for nid in list_pools():
+    for name in list_pools():
         try:
-            ray.kill(ray.get_actor(pool_name(nid), namespace=NAMESPACE), no_restart=True)
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             n += 1
         except ValueError:
             pass

@@ -29,6 +29,7 @@ from ray.serve.llm.openai_api_models import ErrorResponse
 
 from tokenflow.core.config import TokenFlowConfig, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
+from tokenflow.serve.failover import EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
 from tokenflow.serve.ray_private import ErrorInfo
 from tokenflow.serve.routing.ranking import RoutingSettings
@@ -108,7 +109,7 @@ class TokenFlowLLMServer(LLMServer):
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
-                                   self._scheduler_state, self._metrics)
+                                   self._scheduler_state, self._metrics, self._engine_dead)
 
     async def _scheduler_state(self) -> SchedulerState | None:
         """The TokenFlow scheduler's state, via its EngineCore utility
@@ -118,9 +119,21 @@ class TokenFlowLLMServer(LLMServer):
             return None
         return SchedulerState.from_wire(await core.call_utility_async(UTILITY))
 
+    def _engine_dead(self) -> bool:
+        """Whether this replica's vLLM EngineCore has died (AsyncLLM.errored):
+        the replica lives on until Serve's health check replaces it, but
+        cannot serve."""
+        client = getattr(self.engine, "_engine_client", None)
+        return bool(getattr(client, "errored", False))
+
+    def _refuse_if_engine_dead(self) -> None:
+        if self._engine_dead():
+            raise EngineLost("the engine core of this replica has died")
+
     def _track(self, request, gen, arrival: float):
         if not hasattr(gen, "__aiter__"):
             return gen
+        gen = bounce_if_engine_dead(gen, self._engine_dead)
         return tracked(gen, self._tracker, rate=float(request.vllm_xargs[RATE_KEY]),
                        stream=bool(getattr(request, "stream", False)), arrival=arrival,
                        # usage counts every choice; the deltas only choice 0
@@ -128,12 +141,14 @@ class TokenFlowLLMServer(LLMServer):
 
     async def chat(self, request, raw_request_info=None):
         arrival = time.monotonic()
+        self._refuse_if_engine_dead()
         if (error := apply_consumption_rate(request, self._tokenflow_cfg)) is not None:
             return _yield_once(error)
         return self._track(request, await super().chat(request, raw_request_info), arrival)
 
     async def completions(self, request, raw_request_info=None):
         arrival = time.monotonic()
+        self._refuse_if_engine_dead()
         if (error := apply_consumption_rate(request, self._tokenflow_cfg)) is not None:
             return _yield_once(error)
         return self._track(request, await super().completions(request, raw_request_info), arrival)
@@ -165,12 +180,18 @@ async def _host_pool_slot(kv: KVPoolSettings):
     from tokenflow.serve.kv_pool import get_node_pool
 
     node_id = ray.get_runtime_context().get_node_id()
-    try:
-        pool = await asyncio.to_thread(get_node_pool, node_id, kv)
-        ref = pool.acquire_slot.remote(ctx.replica_id.unique_id, os.getpid())
-        return Region(**await asyncio.wait_for(ref, timeout=60))
-    except Exception as e:
-        raise NoHostSlot(f"no slot of node {node_id}'s shared host KV pool: {e}") from e
+    for attempt in range(3):
+        try:
+            pool = await asyncio.to_thread(get_node_pool, node_id, kv)
+            ref = pool.acquire_slot.remote(ctx.replica_id.unique_id, os.getpid())
+            return Region(**await asyncio.wait_for(ref, timeout=60))
+        except ray.exceptions.RayActorError:
+            # The pool was removing itself, unused (kv_pool.idle_exit_s): once
+            # it is gone, the next look-up creates a new one.
+            await asyncio.sleep(1.0 + attempt)
+        except Exception as e:
+            raise NoHostSlot(f"no slot of node {node_id}'s shared host KV pool: {e}") from e
+    raise NoHostSlot(f"no slot of node {node_id}'s shared host KV pool: its actor kept exiting")
 
 
 class NoHostSlot(RuntimeError):
@@ -200,7 +221,8 @@ def _engine_metrics(llm_config):
     return EngineMetrics(model=llm_config.model_id, engine=ctx.replica_id.unique_id)
 
 
-def _start_agent(tracker, router: RoutingSettings, kv: KVPoolSettings, scheduler_state=None, metrics=None):
+def _start_agent(tracker, router: RoutingSettings, kv: KVPoolSettings, scheduler_state=None, metrics=None,
+                 engine_dead=None):
     if not (router.enabled or kv.enabled or metrics is not None):
         return None
     try:
@@ -211,6 +233,6 @@ def _start_agent(tracker, router: RoutingSettings, kv: KVPoolSettings, scheduler
 
     agent = EngineAgent(tracker, router, kv, app_name=ctx.app_name, engine_id=ctx.replica_id.unique_id,
                         replica=ctx.replica_id.to_full_id_str(), scheduler_state=scheduler_state,
-                        metrics=metrics)
+                        metrics=metrics, engine_dead=engine_dead)
     agent.start()
     return agent

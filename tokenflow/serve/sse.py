@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 
-def _sse_events(text: str):
+def sse_events(text: str):
+    """The JSON objects of an SSE text's `data:` lines ([DONE] and non-JSON skipped)."""
     for line in text.splitlines():
         if not line.startswith("data:"):
             continue
@@ -66,7 +67,7 @@ def count_chunk(item: Any) -> tuple[int, int | None]:
         item = item.decode("utf-8", errors="replace")
     if isinstance(item, str):
         total, usage = 0, None
-        for ev in _sse_events(item):
+        for ev in sse_events(item):
             total += _delta_tokens(ev)
             u = _usage_of(ev)
             usage = u if u is not None else usage

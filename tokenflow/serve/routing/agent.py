@@ -32,7 +32,8 @@ logger = logging.getLogger("ray.serve")
 
 class EngineAgent:
     def __init__(self, tracker: EngineTracker, router: RoutingSettings, kv: kv_pool.KVPoolSettings,
-                 *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None, metrics=None):
+                 *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None, metrics=None,
+                 engine_dead=None):
         self.tracker = tracker
         self.router_settings = router
         self.kv_settings = kv
@@ -51,6 +52,8 @@ class EngineAgent:
         self._sched_at = -1e9
         # tokenflow.serve.metrics.EngineMetrics, or None: sampled every METRICS_INTERVAL_S
         self.metrics = metrics
+        # () -> bool: whether the replica's EngineCore has died
+        self._engine_dead = engine_dead or (lambda: False)
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
@@ -120,10 +123,16 @@ class EngineAgent:
             except ray.exceptions.RayActorError:
                 self._router = None
 
-    async def _push(self) -> None:
+    async def _push(self) -> bool | None:
         if self._router is None:
             self._router = await asyncio.to_thread(get_board, self.app_name)
         self._check_last_push()
+        if self._engine_dead():
+            # Leave the slack routing at once (an idle dead engine would look
+            # like the most slack), and stay out until Serve replaces us.
+            logger.error(f"TokenFlow engine {self.engine_id}: its EngineCore died; leaving the routing")
+            await self._router.forget.remote(self.engine_id)
+            return False
         self._last_push = self._router.push.remote(self.state().to_dict())
 
     async def _report(self) -> None:

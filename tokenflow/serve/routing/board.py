@@ -62,6 +62,8 @@ class StateBoard:
 
     async def forget(self, engine_id: str) -> None:
         self._forget(engine_id)
+        self.pushes += 1  # a change: the long polls answer now
+        self._changed.set()
 
     def _forget(self, engine_id: str) -> None:
         self._states.pop(engine_id, None)

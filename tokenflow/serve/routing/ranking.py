@@ -180,6 +180,7 @@ class RoutingTable:
         self.state_age = LatencyStats()  # age of the chosen engine's state at decision
         self.fallbacks = 0  # decisions left to Serve's default (no fresh state)
         self.decisions: dict[str, int] = {}
+        self.has_read = False  # whether any snapshot of the board has arrived
 
     def update(self, snapshot: dict[str, tuple[dict, float]], now: float | None = None) -> None:
         """snapshot: engine_id -> (state dict, age in seconds when read)."""
@@ -199,6 +200,7 @@ class RoutingTable:
                         q.popleft()
                 states[eid], born[eid] = st, now - age
             self._states, self._born = states, born
+            self.has_read = True
 
     def drop(self, engine_id: str) -> None:
         """Forget an engine known to be dead. Its last pushes may still sit in
@@ -237,6 +239,11 @@ class RoutingTable:
         if born is None:
             return None
         return (self._clock() if now is None else now) - born
+
+    def serving_engines(self, max_age: float, now: float | None = None) -> int:
+        """Engines whose state is at most max_age old (dead ones are dropped)."""
+        now = self._clock() if now is None else now
+        return sum(now - born <= max_age for born in self._born.values())
 
     def rank(self, candidates, now: float | None = None) -> list[str] | None:
         """Fresh candidates, best first; None when none has a fresh state."""
