@@ -39,7 +39,9 @@ class EngineLost(RuntimeError):
 REPLICA_LOST = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EngineLost)
 
 LOST_MESSAGE = "the engine serving this request failed"
+LOST_MID_STREAM = f"{LOST_MESSAGE} mid-stream; the response is incomplete"
 FAILED_MESSAGE = "the request failed mid-stream; the response is incomplete"
+CORE_DIED = "the engine core of this replica has died"
 
 
 def engine_lost(e: BaseException) -> bool:
@@ -120,7 +122,7 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
             logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}; "
                            f"attempt {attempt + 1} of {resends + 1}): {e!r}")
             if outcome == "ended_mid_stream":
-                yield lost_event(f"{LOST_MESSAGE} mid-stream; the response is incomplete")
+                yield lost_event(LOST_MID_STREAM)
                 return
             if outcome == "gave_up":
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
@@ -137,10 +139,10 @@ async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) ->
     flowing = False
     try:
         async for item in gen:
-            if is_error_event(item) and dead():
+            if dead() and is_error_event(item):  # dead() first: a cheap read on every chunk
                 if not flowing and not carries_token(item):
-                    raise EngineLost("the engine core of this replica has died")
-                event = lost_event(f"{LOST_MESSAGE} mid-stream; the response is incomplete")
+                    raise EngineLost(CORE_DIED)
+                event = lost_event(LOST_MID_STREAM)
                 if isinstance(item, (list, tuple)):  # a batch: keep its tokens and its [DONE]
                     item = [event if is_error_event(x) else x for x in item]
                 else:
@@ -153,4 +155,4 @@ async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) ->
     except Exception as e:
         if flowing or not dead():
             raise
-        raise EngineLost(f"the engine core of this replica has died: {e!r}") from None
+        raise EngineLost(f"{CORE_DIED}: {e!r}") from None

@@ -29,7 +29,7 @@ from ray.serve.llm.openai_api_models import ErrorResponse
 
 from tokenflow.core.config import TokenFlowConfig, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
-from tokenflow.serve.failover import EngineLost, bounce_if_engine_dead
+from tokenflow.serve.failover import CORE_DIED, EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
 from tokenflow.serve.ray_private import ErrorInfo
 from tokenflow.serve.routing.ranking import RoutingSettings
@@ -128,7 +128,7 @@ class TokenFlowLLMServer(LLMServer):
 
     def _refuse_if_engine_dead(self) -> None:
         if self._engine_dead():
-            raise EngineLost("the engine core of this replica has died")
+            raise EngineLost(CORE_DIED)
 
     def _track(self, request, gen, arrival: float):
         if not hasattr(gen, "__aiter__"):
