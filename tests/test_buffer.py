@@ -1,6 +1,8 @@
 """The reader-buffer model against hand-computed timelines."""
 
+import copy
 import math
+import random
 
 import pytest
 
@@ -24,6 +26,26 @@ def test_stall_accumulates_only_while_empty_and_unfinished():
     assert b.stall_time(1.0) == pytest.approx(0.9)
     b.on_finish(1.0)
     assert b.stall_time(5.0) == pytest.approx(0.9)  # no stall after the end
+
+
+def test_level_reads_the_buffer_without_moving_the_playhead():
+    """The scheduler's snapshot reads level(t); the later accounting (stall,
+    buffers at arrival) must come out as if it had never asked."""
+    rng = random.Random(3)
+    asked, plain = ReaderBuffer(rate=7.0, arrival_time=0.0), ReaderBuffer(rate=7.0, arrival_time=0.0)
+    t = 0.0
+    assert asked.level(0.5) == 0.0  # no first token yet
+    for _ in range(200):
+        t += rng.expovariate(5.0)
+        if rng.random() < 0.5:
+            n = rng.randint(1, 4)
+            asked.on_tokens(t, n)
+            plain.on_tokens(t, n)
+        else:
+            later = t + rng.random()
+            assert asked.level(later) == pytest.approx(copy.deepcopy(plain).buffer(later))
+    assert asked.stall_time(t + 5) == pytest.approx(plain.stall_time(t + 5))
+    assert asked.buffer_at_arrival == pytest.approx(plain.buffer_at_arrival)
 
 
 def test_buffer_at_arrival_and_weights():

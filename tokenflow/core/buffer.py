@@ -97,6 +97,18 @@ class ReaderBuffer:
         self._advance(t)
         return self.delivered - self._position
 
+    def level(self, t: float) -> float:
+        """buffer(t) without advancing the playhead: the scheduler's snapshot
+        asks it for every live request each interval. Advancing later over
+        the longer span gives the same position and stall (no token arrived
+        in between: on_tokens advances first)."""
+        room = self.delivered - self._position
+        elapsed = t - self._clock
+        if self.first_token_time is None or elapsed <= 0.0:
+            return room
+        room -= self.rate * elapsed
+        return room if room > 0.0 else 0.0
+
     def buffer_seconds(self, t: float) -> float:
         return self.buffer(t) / self.rate
 

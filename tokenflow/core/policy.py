@@ -52,6 +52,7 @@ KEEP_RUNNING = 0  # running, its buffer at or below the pause level
 MUST_RESUME = 1  # paused, its buffer at or below the resume level
 BY_PRIORITY = 2
 _VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
+_ARRIVAL = attrgetter("arrival_time")
 
 
 class Phase(str, Enum):
@@ -205,9 +206,10 @@ def fcfs_decision(reqs: list[RequestView]) -> Decision:
     """Everyone runs or is admitted in arrival order, paused readers (who
     arrived earlier) before newcomers; vLLM packs memory in that order."""
     d = Decision(fallback_fcfs=True)
-    for r in sorted(reqs, key=lambda r: r.arrival_time):
-        (d.admit if r.phase == Phase.WAITING else d.run).append(r.req_id)
-        d.order.append(r.req_id)
+    admit, run, order, waiting = d.admit, d.run, d.order, Phase.WAITING
+    for r in sorted(reqs, key=_ARRIVAL):
+        (admit if r.phase is waiting else run).append(r.req_id)
+        order.append(r.req_id)
     return d
 
 
@@ -225,7 +227,7 @@ class TokenFlowPolicy:
             return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
-        by_arrival = sorted(pool.waiting, key=attrgetter("arrival_time"))
+        by_arrival = sorted(pool.waiting, key=_ARRIVAL)
         # The earliest arrivals get the room; the rest are deferred. The
         # working set never defers a newcomer that fits in the free slots and
         # KV now: vLLM alone would admit it this step.

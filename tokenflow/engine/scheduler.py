@@ -215,7 +215,7 @@ class TokenFlowMixin:
         """A RequestView per request that has a reader. It runs over every
         live request each decision, so lookups are bound once, positional
         arguments are used."""
-        readers, blocks, view = self.readers, self._blocks, RequestView
+        readers, bs, view, append = self.readers, self.block_size, RequestView, out.append
         host = self.host_tier.request_blocks if self.host_tier is not None and not resident else None
         waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED) if phase is Phase.WAITING else None
         for req in reqs:
@@ -224,9 +224,9 @@ class TokenFlowMixin:
             if reader is None or (waiting_ok is not None and req.status not in waiting_ok):
                 continue
             n = req.num_tokens
-            out.append(view(req_id, phase, reader.arrival_time, reader.rate, reader.buffer(now),
-                            req.num_output_tokens, req.max_tokens, n, blocks(n), resident,
-                            host(req_id) if host else 0))
+            append(view(req_id, phase, reader.arrival_time, reader.rate, reader.level(now),
+                        req.num_output_tokens, req.max_tokens, n, (n + bs) // bs, resident,
+                        host(req_id) if host else 0))
 
     def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
         views: list[RequestView] = []
