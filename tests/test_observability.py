@@ -130,7 +130,7 @@ def test_scheduler_totals_become_counter_increments_and_gauges():
     em = _fake_engine_metrics()
     # As it arrives from the EngineCore utility: a dict, rebuilt typed.
     wire = {"policy": "tokenflow", "running": 3, "waiting": 1, "paused_hold": 2, "paused_release": 0,
-            "buffer_s_min": 0.5, "buffer_s_sum": 4.0, "buffer_s": [0.5, 1.5, 2.0], "required_rate": 60.0,
+            "buffer_s_min": 0.5, "buffer_s_sum": 4.0, "buffer_s": [0.5, 1.5, 2.0], "required_rate": 60.0, "step_rate": 20.0,
             "decode_tps": 900.0, "kv_total_blocks": 100, "kv_free_blocks": 40, "host_pool_blocks": 64,
             "stats": asdict(SchedulerStats(pauses_hold=4, pauses_release=1, pauses_skipped=2, resumes=3,
                                            tokens_recomputed=16)),
@@ -182,7 +182,11 @@ def test_tracker_feeds_metrics_per_request():
     m = em.m
     assert m.of("observe", "tokenflow_ttft_seconds") == [pytest.approx(0.3)]
     assert m.of("observe", "tokenflow_chunk_gap_seconds") == [pytest.approx(0.1)] * 8
-    assert sum(m.of("inc", "tokenflow_generated_tokens")) == 18
+    # Tokens sent are counted by the tracker and exported with each sample.
+    assert m.of("inc", "tokenflow_generated_tokens") == []
+    em.sample_streams([], {}, tr.tokens_total)
+    em.sample_streams([], {}, tr.tokens_total)  # nothing new: no increase
+    assert m.of("inc", "tokenflow_generated_tokens") == [18]
     assert m.of("inc", "tokenflow_requests_finished", stream="true", status="ok") == [1]
     ref = ReaderBuffer(rate=5.0, arrival_time=0.0)
     for i in range(9):

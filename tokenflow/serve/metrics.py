@@ -15,12 +15,14 @@ Serve replica's id, which the router uses too), so they join vLLM's
 
 - per request (tokenflow/serve/llm_server.py through tokenflow/serve/streams.py), from
   the chunks the replica sends and the replica's ReaderBuffer of the stream:
-  TTFT, gaps between chunks, stall time, effective and raw tokens, finished requests;
+  TTFT, gaps between chunks, stall time, effective tokens, finished requests;
 - sampled every METRICS_INTERVAL_S (tokenflow/serve/routing/agent.py): buffer
-  occupancy of running streams, stream counts, and the TokenFlow scheduler's
-  state (SchedulerState, tokenflow/core/sched_state.py). The scheduler's
-  counters are totals since the engine started; they are exported as the
-  increase since the last sample (CumulativeDeltas).
+  occupancy of running streams, stream counts, tokens sent (the stream
+  tracker's total: one counter call a sample instead of one a chunk), and
+  the TokenFlow scheduler's state (SchedulerState,
+  tokenflow/core/sched_state.py). Totals (the scheduler's counters since the
+  engine started, the tracker's tokens) are exported as the increase since
+  the last sample (CumulativeDeltas).
 
 Importing this module does not import Ray: the dashboard generator and the
 README table use SPECS only.
@@ -34,7 +36,9 @@ from dataclasses import dataclass
 from tokenflow.core.sched_state import SchedulerState
 
 PREFIX = "ray_"  # added by Ray's metrics agent
-METRICS_INTERVAL_S = 0.25  # sampling period of gauges and buffer occupancy
+# Sampling period of gauges, buffer occupancy and the token counter: well
+# under any scrape interval, and each sample costs a metric call per stream.
+METRICS_INTERVAL_S = 1.0
 
 # Chat: a first token within 50 ms is instant, 30 s is a lost user.
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0)
@@ -226,9 +230,6 @@ class EngineMetrics:
     def on_gap(self, seconds: float) -> None:
         self.m.observe("tokenflow_chunk_gap_seconds", max(0.0, seconds))
 
-    def on_tokens(self, n: int) -> None:
-        self.m.inc("tokenflow_generated_tokens", n)
-
     def on_finish(self, reader, *, stream: bool, status: str, now: float) -> None:
         """`reader`: the stream's ReaderBuffer (None for a non-streaming request)."""
         if reader is not None and reader.delivered:
@@ -240,7 +241,9 @@ class EngineMetrics:
         self.m.inc("tokenflow_requests_finished", 1, stream=str(stream).lower(), status=status)
 
     # --- sampled (EngineAgent) --------------------------------------------
-    def sample_streams(self, buffers_s: list[float], state: dict) -> None:
+    def sample_streams(self, buffers_s: list[float], state: dict, tokens_total: int = 0) -> None:
+        """`tokens_total`: tokens the replica has sent since it started."""
+        self.m.inc("tokenflow_generated_tokens", self.deltas.delta("generated_tokens", tokens_total))
         for b in buffers_s:
             self.m.observe("tokenflow_buffer_seconds", max(0.0, b))
         for key in ("running", "waiting", "stalled"):

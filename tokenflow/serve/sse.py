@@ -13,7 +13,13 @@ it. The replica's stream tracker (streams.py) and the ingress's failover
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+# usage.completion_tokens as vLLM writes it (compact JSON), found without
+# parsing the chunk: with per-chunk usage (stream_options.continuous_usage_stats)
+# it is the exact count, and the events need no parsing at all.
+_COMPLETION_TOKENS = re.compile(r'"completion_tokens":\s*(\d+)')
 
 
 def sse_events(text: str):
@@ -73,3 +79,19 @@ def count_chunk(item: Any) -> tuple[int, int | None]:
             usage = u if u is not None else usage
         return total, usage
     return 0, _usage_of(item)  # a whole (non-streaming) response, or an error
+
+
+def latest_usage(item: Any) -> int | None:
+    """The last usage.completion_tokens an SSE chunk (or a batch of them)
+    carries, read from the text without parsing it; None when it has none."""
+    if isinstance(item, (list, tuple)):
+        for x in reversed(item):
+            if (u := latest_usage(x)) is not None:
+                return u
+        return None
+    if isinstance(item, bytes):
+        item = item.decode("utf-8", errors="replace")
+    if not isinstance(item, str) or '"completion_tokens"' not in item:
+        return None
+    found = _COMPLETION_TOKENS.findall(item)
+    return int(found[-1]) if found else None

@@ -4,17 +4,20 @@ Pure Python (no Ray): TokenFlowLLMServer wraps each response generator with
 `tracked()`, which feeds a tokenflow.core.buffer.ReaderBuffer per streaming
 request; `EngineTracker.state()` summarises them for the router.
 
-Tokens are counted from the chunks sent (sse.py).
+Tokens are counted from the chunks sent (sse.py): from per-chunk usage
+where the stream carries it (read without parsing the chunk), else from
+its content deltas.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import AsyncGenerator
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.serve.sse import count_chunk
+from tokenflow.serve.sse import count_chunk, latest_usage
 
 
 class EngineTracker:
@@ -67,8 +70,7 @@ class EngineTracker:
             reader.on_tokens(now, n)
         self._window.append((now, n))
         self._window_tokens += n
-        self.tokens_total += n
-        self._tell("on_tokens", n)
+        self.tokens_total += n  # exported as a counter by the agent's metrics sample
 
     def close(self, handle: int, now: float, status: str = "ok") -> None:
         """`status`: ok, error or cancelled (for the finished-requests metric)."""
@@ -89,14 +91,18 @@ class EngineTracker:
         self.peak_tps = max(self.peak_tps, tps)
         return tps
 
-    def state(self, now: float | None = None) -> dict:
-        """EngineState fields (without the ids) at `now`."""
+    def state(self, now: float | None = None, rate_cap: float | None = None) -> dict:
+        """EngineState fields (without the ids) at `now`. `rate_cap`: the most
+        tokens/s one stream gets from this engine (its step rate); a reader
+        that states more counts at that (the router must not see 10 readers
+        at 10,000 tokens/s as 2,500 readers at 40)."""
         now = self.clock() if now is None else now
+        cap = rate_cap if rate_cap and rate_cap > 0 else math.inf
         running = waiting = stalled = 0
         b_sum = b_cap = rate_sum = 0.0
         b_min = None
         for r in self._streams.values():
-            rate_sum += r.rate
+            rate_sum += r.rate if r.rate < cap else cap
             if r.first_token_time is None:
                 waiting += 1
                 continue
@@ -125,9 +131,13 @@ async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, s
     status = "cancelled"  # unless it ends normally or fails
     try:
         async for item in gen:
-            n, usage = count_chunk(item)
-            if use_usage and usage is not None and usage > counted + n:
-                n = usage - counted  # usage is exact; deltas only a lower bound
+            usage = latest_usage(item) if use_usage else None
+            if usage is not None:  # exact, and no event needs parsing
+                n = max(0, usage - counted)
+            else:
+                n, usage = count_chunk(item)
+                if use_usage and usage is not None and usage > counted + n:
+                    n = usage - counted  # usage is exact; deltas only a lower bound
             if n:
                 tracker.add_tokens(handle, n, tracker.clock())
                 counted += n

@@ -29,6 +29,8 @@ from tokenflow.serve.streams import EngineTracker
 
 logger = logging.getLogger("ray.serve")
 
+SCHEDULER_POLL_S = 0.5  # least interval between reads of the scheduler's summary
+
 
 class EngineAgent:
     def __init__(self, tracker: EngineTracker, router: RoutingSettings, kv: kv_pool.KVPoolSettings,
@@ -45,6 +47,8 @@ class EngineAgent:
         self._router = None
         self._pool = None
         self._last_push = None
+        self._last_content: dict | None = None  # the last pushed state, less its seq and time
+        self._last_push_at = -1e9
         self._tasks: list[asyncio.Task] = []
         # async () -> SchedulerState | None: the TokenFlow scheduler's state
         self._scheduler_state = scheduler_state
@@ -67,21 +71,32 @@ class EngineAgent:
                 self._loop("kv pool", self._report, self.kv_settings.report_interval_s)))
         if self._scheduler_state is not None:
             self._tasks.append(loop.create_task(
-                self._loop("scheduler poll", self._poll, self.router_settings.push_interval_s, give_up_after=10)))
+                self._loop("scheduler poll", self._poll, self.poll_interval_s, give_up_after=10)))
         if self.metrics is not None:
             from tokenflow.serve.metrics import METRICS_INTERVAL_S
 
             self._tasks.append(loop.create_task(self._loop("metrics", self._sample, METRICS_INTERVAL_S)))
 
+    @property
+    def poll_interval_s(self) -> float:
+        """How often the scheduler's summary is read (an EngineCore utility
+        call, which the engine loop answers between steps). Routing ranks by
+        the stream tracker's state, pushed every push interval; from the
+        summary it takes only the decode capacity, which moves slowly, and
+        the metrics sample it once per METRICS_INTERVAL_S."""
+        return max(self.router_settings.push_interval_s, SCHEDULER_POLL_S)
+
     def _fresh_sched(self) -> SchedulerState | None:
-        # Older than a few pushes: the EngineCore is busy or stuck; go without.
-        return self.sched if time.monotonic() - self._sched_at < 5 * self.router_settings.push_interval_s else None
+        # Older than a few polls: the EngineCore is busy or stuck; go without.
+        return self.sched if time.monotonic() - self._sched_at < 3 * self.poll_interval_s else None
 
     def state(self) -> EngineState:
         self.seq += 1
-        st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
-                         seq=self.seq, sent_at=time.time(), **self.tracker.state())
         sched = self._fresh_sched()
+        # the step rate moves slowly: the last one read serves even when not fresh
+        cap = self.sched.step_rate if self.sched is not None else None
+        st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
+                         seq=self.seq, sent_at=time.time(), stream_tps=cap, **self.tracker.state(rate_cap=cap))
         if sched is not None:
             # The scheduler's decode meter knows the engine's capacity better
             # than the rate this replica happened to deliver.
@@ -105,9 +120,13 @@ class EngineAgent:
         return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
 
     async def _sample(self) -> None:
-        """Gauges, buffer occupancy and the scheduler's counters, for Prometheus."""
+        self.sample_now()
+
+    def sample_now(self) -> None:
+        """Gauges, buffer occupancy, tokens sent and the scheduler's counters, for Prometheus."""
         now = self.tracker.clock()
-        self.metrics.sample_streams(self.tracker.running_buffers(now), self.tracker.state(now))
+        self.metrics.sample_streams(self.tracker.running_buffers(now), self.tracker.state(now),
+                                    self.tracker.tokens_total)
         self.metrics.sample_scheduler(self._fresh_sched())
 
     def _check_last_push(self) -> None:
@@ -133,7 +152,16 @@ class EngineAgent:
             logger.error(f"TokenFlow engine {self.engine_id}: its EngineCore died; leaving the routing")
             await self._router.forget.remote(self.engine_id)
             return False
-        self._last_push = self._router.push.remote(self.state().to_dict())
+        state = self.state().to_dict()
+        # An engine whose state has not changed (idle, or between requests)
+        # pushes only to stay fresh: every push also wakes every ingress's
+        # long poll, which costs the board and the ingresses as much again.
+        content = {k: v for k, v in state.items() if k not in ("seq", "sent_at")}
+        now = time.monotonic()
+        if content == self._last_content and now - self._last_push_at < self.router_settings.stale_after_s / 4:
+            return None
+        self._last_content, self._last_push_at = content, now
+        self._last_push = self._router.push.remote(state)
 
     async def _report(self) -> None:
         if self._pool is None:
@@ -170,6 +198,11 @@ class EngineAgent:
     def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.metrics is not None:
+            try:
+                self.sample_now()  # the counters' last increase
+            except Exception:
+                pass
         try:
             if self._router is not None:
                 self._router.forget.remote(self.engine_id)
