@@ -17,8 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenflow.serve.kv_pool import KVPoolSettings, PoolAccounting
-from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, RoutingTable, rank_engines, slack, split_burst
-from tokenflow.serve.sse import count_chunk
+from tokenflow.serve.routing.ranking import (
+    EngineState,
+    RoutingSettings,
+    RoutingTable,
+    new_reader_share,
+    rank_engines,
+    slack,
+    split_burst,
+)
+from tokenflow.serve.sse import count_chunk, latest_usage
 from tokenflow.serve.streams import EngineTracker, tracked
 
 S = RoutingSettings(reader_rate=40.0, capacity_tps=1000.0, horizon_s=10.0)
@@ -120,6 +128,13 @@ def test_stale_engine_is_excluded_and_unknown_means_fallback():
     assert t.rank(["a", "b"]) == ["b"]
     # A candidate the router never heard of is not ranked either.
     assert t.rank(["b", "new"]) == ["b"]
+    # Late by less than another stale_after_s (a busy replica's push), an
+    # engine is still ranked, by its last state and what was sent since.
+    t.update({"a": (engine("a").to_dict(), 0.5), "b": (engine("b", buffers=[0.1] * 30).to_dict(), 0.02)})
+    assert t.rank(["a", "b"]) == ["a", "b"]
+    for _ in range(30):  # 30 readers' worth: fuller than b
+        t.on_sent("a")
+    assert t.rank(["a", "b"]) == ["b", "a"]
     # Nobody fresh: None, the caller uses Serve's default choice.
     clock[0] += 1.0
     assert t.rank(["a", "b"]) is None
@@ -225,6 +240,44 @@ def test_count_chunk_handles_batches_chat_text_usage_and_objects():
         usage = Usage()
 
     assert count_chunk(Whole()) == (0, 32)
+
+
+def test_latest_usage_is_read_without_parsing_and_ignores_escaped_text():
+    batch = [_sse({"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": {"completion_tokens": 4}}),
+             _sse({"choices": [{"index": 0, "delta": {"content": "b"}}], "usage": {"completion_tokens": 5}})]
+    assert latest_usage(batch) == 5
+    assert latest_usage(batch[0].encode()) == 4
+    # generated text that spells the field out is escaped JSON: not usage
+    quoted = _sse({"choices": [{"index": 0, "delta": {"content": '"completion_tokens": 99'}}]})
+    assert latest_usage(quoted) is None and count_chunk(quoted) == (1, None)
+    details = _sse({"choices": [], "usage": {"completion_tokens_details": None, "completion_tokens": 7}})
+    assert latest_usage(details) == 7
+    assert latest_usage(_sse({"choices": [{"index": 0, "text": "x"}]})) is None
+
+
+def test_readers_faster_than_a_stream_count_at_the_step_rate():
+    """A reader stating 10,000 tokens/s can get one token a step: the router
+    must weigh it so, or the first engine to report such readers looks
+    hundreds of readers fuller than its twin and a burst goes to the twin."""
+    tr = EngineTracker()
+    for rate in (10000.0, 10000.0, 8.0):
+        tr.open(rate, True, 0.0)
+    assert tr.state()["rate_sum"] == 20008.0
+    assert tr.state(rate_cap=20.0)["rate_sum"] == 48.0  # 20 + 20 + 8
+    S = RoutingSettings(capacity_tps=600.0)
+    # Engine a has reported its three readers; its twin b has three in flight.
+    reported = EngineState(engine_id="a", running=3, stream_tps=20.0, rate_sum=tr.state(rate_cap=20.0)["rate_sum"])
+    twin = EngineState(engine_id="b", stream_tps=20.0)
+    assert slack(reported, S) == pytest.approx(slack(twin, S) - 10.0 * (20 + 20 + 8) / 40)
+    # A request in flight to b weighs what a reported 10,000 tok/s reader
+    # does on a (one stream's 20 tok/s): three of each leave the twins equal.
+    a3 = EngineState(engine_id="a", running=3, stream_tps=20.0, rate_sum=60.0)
+    assert slack(a3, S) == pytest.approx(slack(twin, S) - S.horizon_s * 3 * new_reader_share(twin, S))
+    # and a burst splits evenly from there
+    assert split_burst({"a": reported, "b": EngineState(engine_id="b", stream_tps=20.0, rate_sum=60.0,
+                                                          running=3)}, 20, S) == {"a": 10, "b": 10}
+    uncapped = EngineState(engine_id="a", running=3, rate_sum=20008.0)
+    assert split_burst({"a": uncapped, "b": twin}, 20, S) == {"a": 0, "b": 20}  # the skew it avoids
 
 
 def test_tracked_stream_feeds_reader_buffers_and_state():

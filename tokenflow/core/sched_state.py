@@ -65,6 +65,10 @@ class SchedulerState:
     buffer_s: list[float]  # each running request's buffer (s)
     required_rate: float  # tokens/s the readers of running and paused requests read
     decode_tps: float | None  # measured decode capacity (tokens/s); None until measured
+    # Measured decode steps/s: the tokens/s one running request gets, so the
+    # most any reader can use (None until measured). The router caps each
+    # reader's stated rate at it, as the policy does.
+    step_rate: float | None
     kv_free_blocks: int
     kv_total_blocks: int
     host_pool_blocks: int  # this engine's host KV share in blocks; 0 without a tier
@@ -74,7 +78,7 @@ class SchedulerState:
     # Fields pushed with every engine state: what the router's ranking reads,
     # and the totals GET /v1/tokenflow/engines shows (benches record them).
     ROUTER_FIELDS = ("policy", "running", "waiting", "paused_hold", "paused_release", "buffer_s_min",
-                     "buffer_s_sum", "required_rate", "kv_free_blocks", "kv_total_blocks", "host_pool_blocks",
+                     "buffer_s_sum", "required_rate", "step_rate", "kv_free_blocks", "kv_total_blocks", "host_pool_blocks",
                      "stats")
 
     def to_wire(self) -> dict:

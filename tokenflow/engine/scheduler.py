@@ -399,6 +399,7 @@ class TokenFlowMixin:
             required_rate=sum(self.readers[r.request_id].rate for r in running)
             + sum(self.readers[i].rate for i in parked if i in self.readers),
             decode_tps=self.meters.decode_capacity,
+            step_rate=self.meters.step_rate.value,
             kv_free_blocks=kv.get_num_free_blocks(),
             kv_total_blocks=self.kv_cache_config.num_blocks,
             host_pool_blocks=tier.capacity_blocks() if tier is not None else 0,

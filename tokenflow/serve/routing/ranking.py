@@ -46,12 +46,17 @@ class RoutingSettings(Settings):
     enabled: bool = Field(True, description="Route by buffer slack; false: Serve's default power-of-two-choices "
                                             "router.")
     push_interval_s: Positive = Field(0.1, description="Each engine pushes its state this often (s).")
-    stale_after_s: Positive = Field(0.3, description="State older than this (s) is unknown: that engine is "
-                                                     "skipped (a dead or hung engine stops pushing; Serve's health "
-                                                     "checks then replace it).")
-    refresh_interval_s: Positive = Field(0.02, description="Least time (s) between two long polls of the state "
-                                                           "board by one ingress (each is answered on the next "
-                                                           "push).")
+    stale_after_s: Positive = Field(0.3, description="State older than this (s) is stale: with a fresh peer, "
+                                                     "that engine is still ranked by its last state and the "
+                                                     "requests sent since until its state is twice this old, "
+                                                     "then skipped (a dead or hung engine stops pushing; Serve's "
+                                                     "health checks then replace it). No fresh engine at all: "
+                                                     "Serve's default routing.")
+    refresh_interval_s: Positive = Field(0.1, description="Least time (s) between two long polls of the state "
+                                                          "board by one ingress (each is answered on the next "
+                                                          "push): at most this many snapshots reach an ingress "
+                                                          "per second, however many engines push. Set it to the "
+                                                          "push interval.")
     horizon_s: Positive = Field(10.0, description="How far ahead (s) slack looks (H).")
     capacity_tps: Positive = Field(1000.0, description="Decode tokens/s assumed for an engine until it shows "
                                                        "more.")
@@ -80,7 +85,8 @@ class EngineState:
     buffer_s_sum: float = 0.0  # sum of running readers' buffered seconds
     buffer_s_capped: float = 0.0  # same, each capped at the horizon
     buffer_s_min: float | None = None
-    rate_sum: float = 0.0  # tokens/s the streams' readers need
+    rate_sum: float = 0.0  # tokens/s the streams' readers need, each at most `stream_tps`
+    stream_tps: float | None = None  # tokens/s one stream gets here (the step rate); None: not measured
     decode_tps: float = 0.0  # tokens/s delivered lately
     peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
     received_total: int = 0  # requests ever received (settles "just sent" counts)
@@ -112,6 +118,13 @@ def slack(state: EngineState, s: RoutingSettings, peer_tps: float = 0.0) -> floa
     return s.horizon_s * spare_readers + state.buffer_s_capped
 
 
+def new_reader_share(state: EngineState, s: RoutingSettings) -> float:
+    """A new reader's need on this engine, in readers of s.rate: its rate
+    is unknown here, so s.rate, at most what one stream gets there."""
+    cap = state.stream_tps
+    return min(1.0, cap / s.rate) if cap and cap > 0 else 1.0
+
+
 def peer_tps(states) -> float:
     """The best decode rate any of these engines has shown (see slack)."""
     return max((st.peak_tps for st in states), default=0.0)
@@ -123,9 +136,12 @@ def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: Rou
 
     def key(eid: str):
         st, p = states[eid], pending.get(eid, 0)
-        # A sent request will show as one more reader: H reader-seconds less.
-        # Ties: least loaded, then by id so the order is deterministic.
-        return (-(slack(st, s, best) - s.horizon_s * p), st.load + p, eid)
+        # A sent request will show as one more reader: H reader-seconds less,
+        # counted as the engine will count it (at most one stream's speed),
+        # so an engine that has reported its share of a burst and one whose
+        # share is still in flight weigh the same. Ties: least loaded, then
+        # by id so the order is deterministic.
+        return (-(slack(st, s, best) - s.horizon_s * p * new_reader_share(st, s)), st.load + p, eid)
 
     return sorted(states, key=key)
 
@@ -246,13 +262,20 @@ class RoutingTable:
         return sum(now - born <= max_age for born in self._born.values())
 
     def rank(self, candidates, now: float | None = None) -> list[str] | None:
-        """Fresh candidates, best first; None when none has a fresh state."""
+        """Candidates with a fresh state, and those whose state is late by at
+        most another stale_after_s, best first; None when none is fresh.
+        A busy engine's push can be late (its replica's event loop is taking
+        in a burst just then): skipping it would send the rest of the burst
+        to its twin. Ranked by its last state plus the requests sent to it
+        since, it gets its share; a dead one stays out once its state is
+        twice stale_after_s old, and Serve drops it sooner when it sees it die."""
         now = self._clock() if now is None else now
         states, born, limit = self._states, self._born, self.settings.stale_after_s
-        fresh = {e: states[e] for e in candidates if e in states and now - born[e] <= limit}
-        if not fresh:
+        ages = {e: now - born[e] for e in candidates if e in states}
+        if not any(age <= limit for age in ages.values()):
             return None
-        return rank_engines(fresh, self.pending(now), self.settings)
+        usable = {e: states[e] for e, age in ages.items() if age <= 2 * limit}
+        return rank_engines(usable, self.pending(now), self.settings)
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
         self.latency.add(seconds)
