@@ -354,7 +354,7 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 
 Command: `make serve` in one shell, then
 `.venv/bin/tokenflow soak --requests 2000 --burst 48 --warmup-requests 200 --out soak.json`
-(the test tests/test_overload.py runs 1,000 requests, the same otherwise,
+(the test tests/test_overload.py runs 600 requests, the same otherwise,
 against its app and holds every process to 10%). Warm-up: a sweep of step sizes (800 one-token
 requests, prompts of 1-400 words, 8 at a time; see below why), then the
 first 200 requests. Then bursts of 48 at once (under the bound of 64), each

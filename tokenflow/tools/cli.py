@@ -73,6 +73,13 @@ def _cmd_bench_app(args) -> int:
     return bench_app.run(args)
 
 
+def _cmd_bench_serving(args) -> int:
+    _loadtest("shapes")
+    from tokenflow.tools import bench_serving
+
+    return bench_serving.run(args)
+
+
 def _dashboards_module():
     # dashboards/ sits beside tokenflow/ in the checkout (not an installed package).
     import importlib.util
@@ -212,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_app.add_arguments(ba)
     ba.set_defaults(func=_cmd_bench_app)
+    bs = sub.add_parser("bench-serving", help="the serving path's CPU per streamed token by role, "
+                                              "TokenFlow's app beside stock Ray Serve LLM in one run")
+    from tokenflow.tools import bench_serving
+
+    bench_serving.add_arguments(bs)
+    bs.set_defaults(func=_cmd_bench_serving)
     d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
     d.add_argument("action", choices=["generate", "push"])
     d.add_argument("--url", help="Grafana base URL, e.g. http://127.0.0.1:3000 (push)")

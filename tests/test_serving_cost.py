@@ -1,0 +1,44 @@
+"""The serving path's own cost, TokenFlow's app against stock Ray Serve LLM
+with the same engine, measured in one run (`tokenflow bench-serving`)."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+# Our layers (ingress, replica, router and pool actors) may spend at most
+# this much CPU per streamed token over what stock Ray Serve LLM's ingress and
+# replica spend, in the same run on the same machine. Measured: 1.26x in the
+# default bench, 1.35x in this small run (docs/BENCHMARKS.md; the issue's
+# target is 1.1x, not met yet); the bound catches a regression such as a
+# per-token parse or metric call coming back (those made it 1.5x and more),
+# with room for a noisy 2-core VM.
+MAX_OWN_CPU_RATIO = 1.6
+
+
+@pytest.mark.slow
+def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
+    out = tmp_path / "bench-serving"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenflow.tools.cli", "bench-serving", "--engines", "1", "--port", "8018",
+         "--requests", "24", "--max-tokens", "128", "--rounds", "2", "--app-nice", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["rows"]
+    assert [(x["round"], x["app"]) for x in rows] == [(0, "tokenflow"), (0, "stock"), (1, "stock"), (1, "tokenflow")]
+    for row in rows:
+        assert row["failed"] == 0 and row["tokens"] == 24 * 128, row
+        cpu = row["cpu_s"]
+        # every role that streams a token was found and booked
+        assert cpu["proxy"] > 0 and cpu["ingress"] > 0 and cpu["replica"] > 0 and cpu["engine_core"] > 0, row
+        if row["app"] == "stock":
+            assert cpu["router"] == 0 and cpu["pool"] == 0  # stock has neither actor
+    print("\n" + r.stdout[-2500:])
+    ratio = summary["ratios"]["median"]["own_cpu_per_token"]
+    assert ratio <= MAX_OWN_CPU_RATIO, summary["ratios"]
+    with socket.socket() as sock:  # the app is gone
+        assert sock.connect_ex(("127.0.0.1", 8018)) != 0

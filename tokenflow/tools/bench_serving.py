@@ -1,0 +1,408 @@
+"""`tokenflow bench-serving`: what the serving path costs per streamed token,
+TokenFlow's app beside stock Ray Serve LLM.
+
+One `serve run` holds both apps, so they share the Ray cluster, the HTTP
+proxy and the machine's moment: TokenFlow's app from the config at `/`, and
+stock Ray Serve LLM (`ray.serve.llm:build_openai_app`) at `/stock` with the
+same engines (model, engine arguments, replicas, KV size, environment) and
+nothing of TokenFlow (vLLM's own scheduler, no host KV tier, Serve's request
+router). Each round sends the same burst to each app in turn (alternating
+which goes first): streaming chat answers that state no reading rate and
+all fit in the engines' slots, so no scheduling policy has anything to do
+and what differs is the serving path.
+
+Around each burst the bench reads the CPU time of every process of the
+cluster and of itself, and books it by role (roles()): CPU seconds per
+1,000 streamed tokens for the proxy, the ingress, the engine replica, the
+engine core, the model workers, TokenFlow's router actor and KV pool actor,
+Serve's controller, Ray's own processes and the client; beside them output
+throughput and TTFT from the client's token times. The processes of the
+other app (idle during the burst) are left out.
+
+OUT gets app.yaml (what was served), serve.log, summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import yaml
+
+from tokenflow.tools import launcher
+from tokenflow.tools.bench import percentile
+from tokenflow.tools.bench_app import ServedApp, app_config
+from tokenflow.tools.loadtest import http_reader
+
+OURS, STOCK = "tokenflow", "stock"
+STOCK_PREFIX = "/stock"
+# The roles each app's own layers are made of (the issue's "our layers"
+# against stock Ray Serve LLM's ingress and replica).
+OWN_LAYERS = {OURS: ("ingress", "replica", "router", "pool"), STOCK: ("ingress", "replica")}
+ROLES = ("proxy", "ingress", "replica", "engine_core", "model_workers", "router", "pool", "controller",
+         "ray_system", "client")
+_REPLICA = re.compile(r"ServeReplica:([^:\s]+):([A-Za-z0-9_]+)")
+
+
+# --- the two apps in one config -------------------------------------------------------
+
+def stock_app(ours: dict, name: str = STOCK, route_prefix: str = STOCK_PREFIX) -> dict:
+    """A `serve run` application entry of stock Ray Serve LLM with the same
+    engines as our app entry `ours` (its args resolved as our builder does)."""
+    from tokenflow.serve import app as tf_app
+
+    a = tf_app.resolve_args(ours["args"])
+    engine_kwargs = {k: v for k, v in a["engine_kwargs"].items()
+                     if k not in ("scheduler_cls", "additional_config", "kv_transfer_config")}
+    deployment = copy.deepcopy(a["deployment_config"])
+    deployment.pop("request_router_config", None)
+    deployment["num_replicas"] = a["num_replicas"]
+    if a["replica_num_cpus"] is not None:
+        deployment.setdefault("ray_actor_options", {})["num_cpus"] = a["replica_num_cpus"]
+    llm = {"model_loading_config": {"model_id": a["model_id"],
+                                    "model_source": tf_app.resolve_model_path(a["model_path"])},
+           "engine_kwargs": engine_kwargs, "accelerator_config": {"kind": a["accelerator"]},
+           "deployment_config": deployment, "experimental_configs": a["experimental_configs"],
+           "runtime_env": {"env_vars": {k: str(v) for k, v in a["env"].items()}}}
+    if a["placement_group_config"] is not None:
+        llm["placement_group_config"] = copy.deepcopy(a["placement_group_config"])
+    if a["accelerator_type"] is not None:
+        llm["accelerator_type"] = a["accelerator_type"]
+    ingress = {"num_replicas": a["ingress_replicas"]}
+    if a["ingress_num_cpus"] is not None:
+        ingress["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
+    return {"name": name, "route_prefix": route_prefix, "import_path": "ray.serve.llm:build_openai_app",
+            "args": {"llm_configs": [llm], "ingress_deployment_config": ingress}}
+
+
+def share_bundles(entry: dict, share: float) -> None:
+    """Scale an app entry's placement-group CPUs by `share`: four engines'
+    bundles must fit on a node whose CPUs two engines' bundles take
+    (logical CPUs only; each engine's threads are set by its env)."""
+    args = entry["args"]
+    for llm in args.get("llm_configs", [args]):
+        pg = llm.get("placement_group_config") or {}
+        for bundle in pg.get("bundles", []):
+            if "CPU" in bundle:
+                bundle["CPU"] = bundle["CPU"] * share
+
+
+def combined_config(config: Path, port: int, requests: int, engines: int | None, app_args: dict | None = None) -> dict:
+    doc = app_config(config, _policy_of(config), port, requests, engines, {})
+    ours = doc["applications"][0]
+    _merge(ours["args"], app_args or {})
+    if ours.get("route_prefix", "/") != "/":
+        raise ValueError("bench-serving serves the config's app at route_prefix /")
+    from tokenflow.serve import app as tf_app
+
+    resolved = tf_app.resolve_args(ours["args"])
+    ours["args"]["placement_group_config"] = copy.deepcopy(resolved["placement_group_config"])
+    stock = stock_app(ours)
+    share_bundles(ours, 0.5)
+    share_bundles(stock, 0.5)
+    doc["applications"] = [ours, stock]
+    return doc
+
+
+def _merge(into: dict, extra: dict) -> None:
+    """Deep-merge `extra` into `into` (dicts merge, anything else replaces)."""
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v)
+
+
+def _policy_of(config: Path) -> str:
+    args = (yaml.safe_load(config.read_text()) or {})["applications"][0].get("args") or {}
+    return (args.get("tokenflow") or {}).get("policy", "tokenflow")
+
+
+# --- CPU by role ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    app: str | None  # None: shared by both apps (proxy, controller, Ray)
+    role: str
+
+
+def roles(session: int, our_app: str) -> list[Proc]:
+    """Every process of the `serve run` session, with its app and role."""
+    procs = {}
+    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline"]):
+        try:
+            if p.pid != session and os.getsid(p.pid) != session:
+                continue
+            procs[p.pid] = (p.info["ppid"], " ".join(p.info["cmdline"] or ()) or p.info["name"] or "")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+    replicas = {}  # pid -> (app, role) of Serve replicas
+    for pid, (_, cmd) in procs.items():
+        if m := _REPLICA.search(cmd):
+            replicas[pid] = (m.group(1), "ingress" if "Ingress" in m.group(2) else "replica")
+    out = []
+    for pid, (ppid, cmd) in procs.items():
+        if pid in replicas:
+            app, role = replicas[pid]
+        elif (owner := _replica_ancestor(pid, procs, replicas)) is not None:
+            app, role = replicas[owner][0], "engine_core" if "EngineCore" in cmd else "model_workers"
+        elif cmd.startswith("ray::ProxyActor"):
+            app, role = None, "proxy"
+        elif cmd.startswith("ray::ServeController"):
+            app, role = None, "controller"
+        elif cmd.startswith("ray::StateBoard"):
+            app, role = our_app, "router"
+        elif cmd.startswith("ray::KVPoolActor"):
+            app, role = our_app, "pool"
+        else:
+            app, role = None, "ray_system"
+        out.append(Proc(pid, app, role))
+    return out
+
+
+def _replica_ancestor(pid: int, procs: dict, replicas: dict) -> int | None:
+    seen = 0
+    while pid in procs and seen < 8:
+        pid = procs[pid][0]
+        if pid in replicas:
+            return pid
+        seen += 1
+    return None
+
+
+def cpu_seconds(procs: list[Proc]) -> dict[int, float]:
+    out = {}
+    for p in procs:
+        try:
+            t = psutil.Process(p.pid).cpu_times()
+            out[p.pid] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def by_role(procs: list[Proc], before: dict[int, float], after: dict[int, float], app: str) -> dict[str, float]:
+    """CPU seconds per role spent between the readings by `app`'s processes
+    and the shared ones."""
+    out = dict.fromkeys(ROLES, 0.0)
+    for p in procs:
+        if p.app not in (None, app) or p.pid not in after:
+            continue
+        out[p.role] += after[p.pid] - before.get(p.pid, 0.0)
+    return out
+
+
+# --- one burst ------------------------------------------------------------------------
+
+def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: float) -> list[dict]:
+    """`requests` streaming answers at once. The bodies state no reading rate
+    (stock Ray Serve LLM knows none; TokenFlow assumes its default), as a
+    client that does not know TokenFlow sends them."""
+    rate = 10000.0  # the client's reader model only: it reads as fast as tokens come
+    bodies = []
+    for i in range(requests):
+        body = http_reader.chat_body(model, f"Tell the story of reader {i}.", max_tokens, rate)
+        body.pop("consumption_rate")
+        bodies.append(body)
+    return asyncio.run(http_reader.run_schedule(base_url, bodies, [rate] * requests, [0.0] * requests, timeout,
+                                                None, launcher.api_key_from_env()))
+
+
+def received_by_engine(base_url: str) -> dict[str, int]:
+    """Requests each of our engines has received since it started (its
+    pushed state, via GET /v1/tokenflow/engines); {} if that does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/tokenflow/engines", timeout=10) as resp:
+            view = json.loads(resp.read())
+    except (OSError, ValueError):
+        return {}
+    return {e["engine_id"]: int(e.get("received_total") or 0) for e in view.get("engines", [])}
+
+
+def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: int, max_tokens: int,
+            timeout: float) -> dict:
+    routed0 = received_by_engine(base_url) if app == OURS else {}
+    before, client0, t0 = cpu_seconds(procs), time.process_time(), time.monotonic()
+    records = burst(base_url, model, requests, max_tokens, timeout)
+    wall, client = time.monotonic() - t0, time.process_time() - client0
+    after = cpu_seconds(procs)
+    if app == OURS:
+        time.sleep(0.5)  # the engines' next pushes carry the last requests
+        routed = {e: n - routed0.get(e, 0) for e, n in received_by_engine(base_url).items()}
+    else:
+        routed = None  # stock Ray Serve LLM does not say
+    cpu = by_role(procs, before, after, app)
+    cpu["client"] = client
+    ok = [r for r in records if r["ok"]]
+    tokens = sum(r["tokens"] or 0 for r in ok)
+    first = min((r["sent_s"] for r in records), default=0.0)
+    last = max((r["arrivals_s"][-1] for r in ok if r["arrivals_s"]), default=first)
+    ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    per_1k = {k: 1000 * v / tokens if tokens else None for k, v in cpu.items()}
+    own = sum(cpu[k] for k in OWN_LAYERS[app])
+    return {"app": app, "requests": requests, "failed": len(records) - len(ok), "tokens": tokens,
+            "wall_s": wall, "output_throughput": tokens / (last - first) if last > first else 0.0,
+            "median_ttft_ms": 1000 * percentile(ttfts, 0.5) if ttfts else None,
+            "p99_ttft_ms": 1000 * percentile(ttfts, 0.99) if ttfts else None,
+            "cpu_s": cpu, "cpu_s_per_1k_tokens": per_1k,
+            # requests per engine (ours only): an uneven split ends a burst later
+            "routed": sorted(routed.values(), reverse=True) if routed else routed,
+            "own_layers": list(OWN_LAYERS[app]),
+            "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None}
+
+
+def _wait_for(base_url: str, model: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not launcher.probe(base_url, model, api_key=launcher.api_key_from_env()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url} did not answer within {timeout:.0f} s")
+        time.sleep(2.0)
+
+
+def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_tokens: int = 512, rounds: int = 3,
+                      engines: int | None = None, port: int | None = None, warmup: int = 8,
+                      timeout: float = 600.0, ready_timeout: float = 600.0, app_nice: int = 10,
+                      app_args: dict | None = None, progress=None) -> dict:
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config_path = Path(config)
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no such config: {config}")
+    port = port or launcher.app_settings(config)["port"]
+    doc = combined_config(config_path, port, requests, engines, app_args)
+    our_name = doc["applications"][0]["name"]
+    path = out / "app.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rows = []
+    with ServedApp(path, out / "serve.log", ready_timeout, app_nice) as served:
+        urls = {OURS: served.base_url, STOCK: served.base_url + STOCK_PREFIX}
+        _wait_for(urls[STOCK], served.model, ready_timeout)
+        for app, url in urls.items():  # first requests pay one-time costs
+            burst(url, served.model, warmup, 32, timeout)
+        procs = roles(served.proc.pid, our_name)
+        for i in range(rounds):
+            order = (OURS, STOCK) if i % 2 == 0 else (STOCK, OURS)
+            for app in order:
+                time.sleep(1.0)  # the previous burst's tail (pushes, logs) settles
+                row = measure(app, urls[app], served.model, procs, requests, max_tokens, timeout)
+                row["round"] = i
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+    summary = {"workload": {"config": str(config), "requests": requests, "max_tokens": max_tokens,
+                            "rounds": rounds, "engines": engines, "app_nice": app_nice, "warmup": warmup,
+                            "app_args": app_args or {},
+                            "method": "both apps in one serve run; each burst alone on the machine; per-process "
+                                      "CPU time (user+system) read before and after it"},
+               "rows": rows, "ratios": ratios(rows)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def ratios(rows: list[dict]) -> dict:
+    """TokenFlow over stock, per round, and their medians."""
+    per_round = []
+    for i in sorted({r["round"] for r in rows}):
+        a = next(r for r in rows if r["round"] == i and r["app"] == OURS)
+        b = next(r for r in rows if r["round"] == i and r["app"] == STOCK)
+        per_round.append({
+            "output_throughput": _div(a["output_throughput"], b["output_throughput"]),
+            "median_ttft": _div(a["median_ttft_ms"], b["median_ttft_ms"]),
+            "own_cpu_per_token": _div(a["own_cpu_s_per_1k_tokens"], b["own_cpu_s_per_1k_tokens"]),
+            "all_cpu_per_token": _div(sum(a["cpu_s"].values()) / max(a["tokens"], 1),
+                                      sum(b["cpu_s"].values()) / max(b["tokens"], 1)),
+        })
+    keys = per_round[0].keys() if per_round else ()
+    med = {k: statistics.median([r[k] for r in per_round if r[k] is not None] or [float("nan")]) for k in keys}
+    return {"per_round": per_round, "median": med}
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def table(summary: dict) -> str:
+    """A Markdown table of CPU seconds per 1,000 tokens by role, per app (medians over rounds)."""
+    lines = ["| role | " + " | ".join((OURS, STOCK)) + " |", "| --- | --- | --- |"]
+
+    def med(app, f):
+        xs = [f(r) for r in summary["rows"] if r["app"] == app]
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    for role in ROLES:
+        cells = [med(app, lambda r: r["cpu_s_per_1k_tokens"][role]) for app in (OURS, STOCK)]
+        lines.append(f"| {role} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    for label, f in (("own layers", lambda r: r["own_cpu_s_per_1k_tokens"]),
+                     ("output tokens/s", lambda r: r["output_throughput"]),
+                     ("median TTFT (ms)", lambda r: r["median_ttft_ms"])):
+        cells = [med(app, f) for app in (OURS, STOCK)]
+        lines.append(f"| {label} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+# --- command line ---------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="configs/local.yaml", help="TokenFlow's `serve run` config")
+    parser.add_argument("--requests", type=int, default=60, help="streams per burst (all within the slots)")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per app, alternating which app goes first")
+    parser.add_argument("--engines", type=int, help="engine replicas per app (default: the config's num_replicas)")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--app-nice", type=int, default=10, choices=range(0, 20), metavar="0-19",
+                        help="the apps' CPU priority below the client's (bench-app's --app-nice)")
+    parser.add_argument("--app-args", default="{}",
+                        help="JSON deep-merged into TokenFlow's app args, e.g. '{\"router\": {\"enabled\": false}}' "
+                             "to see what a feature costs")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--out", default="out/bench-serving")
+
+
+def run(args) -> int:
+    launcher.stop_on_signals()
+    for name in ("requests", "max_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            print(f"tokenflow bench-serving: error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    if args.engines is not None and args.engines < 1:
+        print("tokenflow bench-serving: error: --engines must be at least 1", file=sys.stderr)
+        return 2
+
+    try:
+        app_args = json.loads(args.app_args)
+    except ValueError as e:
+        print(f"tokenflow bench-serving: error: --app-args is not JSON: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(app_args, dict):
+        print("tokenflow bench-serving: error: --app-args must be a JSON object", file=sys.stderr)
+        return 2
+
+    def progress(row: dict) -> None:
+        print(json.dumps({k: row[k] for k in ("round", "app", "tokens", "failed", "output_throughput",
+                                              "median_ttft_ms", "own_cpu_s_per_1k_tokens", "routed")}), flush=True)
+
+    try:
+        summary = run_bench_serving(args.out, args.config, requests=args.requests, max_tokens=args.max_tokens,
+                                    rounds=args.rounds, engines=args.engines, port=args.port,
+                                    ready_timeout=args.ready_timeout, app_nice=args.app_nice, app_args=app_args,
+                                    progress=progress)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"tokenflow bench-serving: error: {e}", file=sys.stderr)
+        return 1
+    print(table(summary))
+    print(json.dumps(summary["ratios"]["median"]))
+    print(f"wrote {args.out}/summary.json")
+    return 1 if any(r["failed"] for r in summary["rows"]) else 0
