@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from tokenflow.core.buffer import ReaderBuffer, effective_throughput, paper_token_weight, token_weight
+from tokenflow.core.buffer import (
+    ReaderBuffer,
+    effective_throughput,
+    paper_token_weight,
+    token_weight,
+)
 
 
 def test_playback_buffer_and_consumption():

@@ -102,7 +102,11 @@ def build_app(args: dict | None = None):
 
     from tokenflow.serve import guard
     from tokenflow.serve.ingress import TOKENFLOW_ENDPOINTS, TokenFlowIngress
-    from tokenflow.serve.ray_private import init_fastapi, maybe_apply_llm_deployment_config_defaults, to_model_metadata
+    from tokenflow.serve.ray_private import (
+        init_fastapi,
+        maybe_apply_llm_deployment_config_defaults,
+        to_model_metadata,
+    )
 
     llm_config, a = build_llm_config(args)
     if a["kv_pool"]["enabled"]:

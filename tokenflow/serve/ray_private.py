@@ -11,7 +11,9 @@ where they are used.
 # `build_openai_app` builds out of reach.
 # What `build_openai_app` does with the ingress's options and model cards,
 # repeated by tokenflow/serve/app.py, which builds the same graph itself.
-from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults  # noqa: F401
+from ray.llm._internal.common.dict_utils import (
+    maybe_apply_llm_deployment_config_defaults,  # noqa: F401
+)
 
 # The error body of an ErrorResponse (the public ErrorResponse needs one).
 from ray.llm._internal.serve.core.configs.openai_api_models import (
@@ -23,4 +25,6 @@ from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi  #
 
 # Serve's default request router: the slack router extends it, to keep its
 # fallback (power of two choices) and its replica queue-length cache.
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter  # noqa: F401
+from ray.serve._private.request_router.pow_2_router import (
+    PowerOfTwoChoicesRequestRouter,  # noqa: F401
+)
