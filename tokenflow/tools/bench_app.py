@@ -38,7 +38,12 @@ from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.exporter import ClientMetrics
 from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
 from tokenflow.tools.loadtest.runner import summarize as summarize_client
-from tokenflow.tools.loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, parse_rates
+from tokenflow.tools.loadtest.shapes import (
+    MAX_REQUESTS,
+    Schedule,
+    make_schedule,
+    parse_rates,
+)
 
 POLICIES = ("fcfs", "andes", "tokenflow")
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,17 +286,22 @@ def run_order(policies, seed: int) -> list[str]:
     return policies[k:] + policies[:k]
 
 
-def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES, *, port: int | None = None,
-                  engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
-                  slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
-                  calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0,
-                  metrics_port: int | None = None) -> dict:
+def bench_paths(out_dir: str, config: str, port: int | None) -> tuple[Path, Path, int]:
+    """The output folder (made), the config (checked) and the app's port."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     config_path = Path(config)
     if not config_path.is_file():
         raise FileNotFoundError(f"no such config: {config}")
-    port = port or launcher.app_settings(config)["port"]
+    return out, config_path, port or launcher.app_settings(config)["port"]
+
+
+def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES, *, port: int | None = None,
+                  engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
+                  slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
+                  calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0,
+                  metrics_port: int | None = None) -> dict:
+    out, config_path, port = bench_paths(out_dir, config, port)
     results, records, calibration, served = {}, {}, None, {}
     metrics = ClientMetrics(metrics_port) if metrics_port is not None else None
     order = run_order(policies, wl.seed)

@@ -40,7 +40,7 @@ import yaml
 
 from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
-from tokenflow.tools.bench_app import ServedApp, app_config
+from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths
 from tokenflow.tools.loadtest import http_reader
 
 OURS, STOCK = "tokenflow", "stock"
@@ -275,12 +275,7 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
                       engines: int | None = None, port: int | None = None, warmup: int = 8,
                       timeout: float = 600.0, ready_timeout: float = 600.0, app_nice: int = 10,
                       app_args: dict | None = None, progress=None) -> dict:
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = Path(config)
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no such config: {config}")
-    port = port or launcher.app_settings(config)["port"]
+    out, config_path, port = bench_paths(out_dir, config, port)
     doc = combined_config(config_path, port, requests, engines, app_args)
     our_name = doc["applications"][0]["name"]
     path = out / "app.yaml"
