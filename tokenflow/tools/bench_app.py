@@ -38,12 +38,7 @@ from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.exporter import ClientMetrics
 from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
 from tokenflow.tools.loadtest.runner import summarize as summarize_client
-from tokenflow.tools.loadtest.shapes import (
-    MAX_REQUESTS,
-    Schedule,
-    make_schedule,
-    parse_rates,
-)
+from tokenflow.tools.loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, parse_rates
 
 POLICIES = ("fcfs", "andes", "tokenflow")
 ROOT = Path(__file__).resolve().parents[2]
