@@ -18,6 +18,7 @@ opening.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import AsyncIterator, Callable
@@ -88,10 +89,13 @@ OUTCOMES = ("resent", "ended_mid_stream", "gave_up")
 
 
 async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], resends: int,
-                                   on_lost: Callable[[str], None] | None = None) -> AsyncIterator:
+                                   on_lost: Callable[[str], None] | None = None,
+                                   resend_after_s: float = 0.0) -> AsyncIterator:
     """Yield the items of open_stream(); re-open it (at most `resends` times)
-    when the replica is lost before any token went out. on_lost hears each
-    loss as one of OUTCOMES."""
+    when the replica is lost before any token went out, `resend_after_s`
+    later (time for the routing to hear of the loss: re-sent at once, a
+    request can go straight back to an engine that has just lost its core).
+    on_lost hears each loss as one of OUTCOMES."""
     for attempt in range(resends + 1):
         held: list = []
         flowing = False
@@ -128,6 +132,8 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
                                            f"{resends} re-sends failed too; retry later")
                 return
+            if resend_after_s > 0:
+                await asyncio.sleep(resend_after_s)
 
 
 async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) -> AsyncIterator:

@@ -68,7 +68,12 @@ class TokenFlowIngress(OpenAiIngress):
             return super(TokenFlowIngress, self)._get_response(
                 body=body, call_method=call_method, raw_request=raw_request)
 
-        async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost):
+        # A lost engine leaves the slack routing within a push and a long
+        # poll; a re-send waits that long so it goes elsewhere.
+        settle = (self._tf_settings.push_interval_s + self._tf_settings.refresh_interval_s
+                  if self._tf_settings.enabled else 0.0)
+        async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost,
+                                                            settle):
             yield item
 
     def _tf_on_lost(self, outcome: str) -> None:
