@@ -263,14 +263,6 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
             "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None}
 
 
-def _wait_for(base_url: str, model: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not launcher.probe(base_url, model, api_key=launcher.api_key_from_env()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{base_url} did not answer within {timeout:.0f} s")
-        time.sleep(2.0)
-
-
 def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_tokens: int = 512, rounds: int = 3,
                       engines: int | None = None, port: int | None = None, warmup: int = 8,
                       timeout: float = 600.0, ready_timeout: float = 600.0, app_nice: int = 10,
@@ -283,7 +275,8 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
     rows = []
     with ServedApp(path, out / "serve.log", ready_timeout, app_nice) as served:
         urls = {OURS: served.base_url, STOCK: served.base_url + STOCK_PREFIX}
-        _wait_for(urls[STOCK], served.model, ready_timeout)
+        if not launcher.wait_until_ready(urls[STOCK], served.model, ready_timeout, served.proc):
+            raise RuntimeError(f"{urls[STOCK]} did not answer within {ready_timeout:.0f} s")
         for app, url in urls.items():  # first requests pay one-time costs
             burst(url, served.model, warmup, 32, timeout)
         procs = roles(served.proc.pid, our_name)
