@@ -202,6 +202,52 @@ def test_router_actor_long_poll_answers_on_push_and_counts_transit():
     asyncio.run(run())
 
 
+
+def test_a_long_poll_names_the_engines_with_most_slack_when_there_are_many():
+    from tokenflow.serve.routing.board import StateBoard
+
+    async def run():
+        board = StateBoard(settings={**S.to_dict(), "head_size": 3})
+        # Ten engines, the k-th with k readers at empty buffers: least slack last.
+        for k in range(10):
+            await board.push({**engine(f"e{k}", running=k, scheduler={"policy": "tokenflow"}).to_dict(),
+                              "sent_at": time.time()})
+        _, head = await board.wait_snapshot(-1, 0.01)
+        assert sorted(head) == ["e0", "e1", "e2"]
+        assert all("scheduler" not in row and "pid" not in row for row, _ in head.values())  # routing fields only
+        assert len(await board.snapshot()) == 10  # /v1/tokenflow/engines still sees all of them
+        # e0 fills up: it leaves the head, e3 comes in.
+        await board.push({**engine("e0", running=30).to_dict(), "sent_at": time.time()})
+        _, head = await board.wait_snapshot(-1, 0.01)
+        assert sorted(head) == ["e1", "e2", "e3"]
+        # Few engines: every one of them, as before.
+        small = StateBoard(settings=S.to_dict())
+        for k in range(3):
+            await small.push({**engine(f"e{k}", running=k).to_dict(), "sent_at": time.time()})
+        assert sorted((await small.wait_snapshot(-1, 0.01))[1]) == ["e0", "e1", "e2"]
+
+    asyncio.run(run())
+
+
+def test_a_table_fed_by_several_boards_ranks_all_of_them():
+    from tokenflow.serve.routing.board import shard_of
+
+    # Engines split over boards stably (every process computes the same) and all boards get some.
+    ids = [f"engine-{i}" for i in range(100)]
+    assert [shard_of(e, 4) for e in ids] == [shard_of(e, 4) for e in ids]
+    assert {shard_of(e, 4) for e in ids} == {0, 1, 2, 3} and {shard_of(e, 1) for e in ids} == {0}
+    t = RoutingTable(S)
+    t.update({"a": (engine("a", buffers=[0.1] * 10).to_dict(), 0.01)}, part=0)
+    t.update({"b": (engine("b").to_dict(), 0.01)}, part=1)
+    assert t.rank({"a": 1, "b": 1}) == ["b", "a"]
+    t.update({"a": (engine("a").to_dict(), 0.01)}, part=0)  # board 0 again: board 1's engine stays
+    assert set(t.rank({"a": 1, "b": 1})) == {"a", "b"}
+    t.update({}, part=1)  # board 1 no longer names b (left its head)
+    assert t.rank({"a": 1, "b": 1}) == ["a"]
+    t.update({"b": (engine("b").to_dict(), 0.01)}, part=1)
+    t.drop("b")
+    t.update({"a": (engine("a").to_dict(), 0.01)}, part=0)  # a dropped engine does not come back from the merge
+    assert t.rank({"a": 1, "b": 1}) == ["a"]
 def test_settings_reject_typos_and_bad_values():
     with pytest.raises(ValueError, match="unknown router keys"):
         RoutingSettings.from_dict({"push_interval": 0.1})

@@ -43,7 +43,7 @@ class TokenFlowIngress(OpenAiIngress):
         self._tf_settings = ranking.RoutingSettings.from_dict(tokenflow_router)
         self._tf_max_resends = max_resends
         self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
-        self._tf_actor = None
+        self._tf_boards = None  # handles to the app's state boards
         # Serve creates a handle's request router on its first call. Make one
         # call now, so the router has read the engines' states before the
         # first user request instead of routing it blind.
@@ -104,7 +104,7 @@ class TokenFlowIngress(OpenAiIngress):
                 self._tf_actor = await asyncio.to_thread(board.get_board, app)
             snap = await asyncio.wait_for(self._tf_actor.snapshot.remote(), timeout=5)
         except Exception as e:
-            self._tf_actor = None
+            self._tf_boards = None  # handles to the app's state boards
             return JSONResponse({"error": f"state board unreachable: {e!r}"}, status_code=503)
         table = ranking.RoutingTable(self._tf_settings)
         table.update(snap)
@@ -113,6 +113,7 @@ class TokenFlowIngress(OpenAiIngress):
         except Exception as e:
             pools = {"error": repr(e)}
         return {"app": app, "state_board": board.board_name(app),
+                "state_boards": [board.board_name(app, i) for i in range(self._tf_settings.board_shards)],
                 "settings": self._tf_settings.to_dict(),
                 "engines": table.view()["engines"],
                 "routers": {k: t.view() for k, t in list(board.LOCAL_ROUTERS.items())},

@@ -80,6 +80,12 @@ def _cmd_bench_serving(args) -> int:
     return bench_serving.run(args)
 
 
+def _cmd_bench_router(args) -> int:
+    from tokenflow.tools import bench_router
+
+    return bench_router.run(args)
+
+
 def _dashboards_module():
     # dashboards/ sits beside tokenflow/ in the checkout (not an installed package).
     import importlib.util
@@ -225,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serving.add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serving)
+    br = sub.add_parser("bench-router", help="the slack router at cluster scale: real state boards and ingress "
+                                             "routing against N stand-in engines (docs/SCALING.md)")
+    from tokenflow.tools import bench_router
+
+    bench_router.add_arguments(br)
+    br.set_defaults(func=_cmd_bench_router)
     d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
     d.add_argument("action", choices=["generate", "push"])
     d.add_argument("--url", help="Grafana base URL, e.g. http://127.0.0.1:3000 (push)")

@@ -23,7 +23,7 @@ import ray
 
 from tokenflow.core.sched_state import SchedulerState
 from tokenflow.serve import kv_pool
-from tokenflow.serve.routing.board import get_board
+from tokenflow.serve.routing.board import get_board, shard_of
 from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
 from tokenflow.serve.streams import EngineTracker
 
@@ -144,7 +144,9 @@ class EngineAgent:
 
     async def _push(self) -> bool | None:
         if self._router is None:
-            self._router = await asyncio.to_thread(get_board, self.app_name)
+            s = self.router_settings
+            self._router = await asyncio.to_thread(get_board, self.app_name,
+                                                   shard_of(self.engine_id, s.board_shards), s)
         self._check_last_push()
         if self._engine_dead():
             # Leave the slack routing at once (an idle dead engine would look

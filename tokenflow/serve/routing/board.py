@@ -11,14 +11,28 @@ The actor is detached and named after the app, so the first engine or
 ingress that asks creates it (get_if_exists) and every other one finds it.
 `serve.shutdown()` does not remove it: `kill_app_actors()` does (a cluster
 that `serve run` started goes away with it anyway).
+
+At scale (docs/SCALING.md) two things keep it bounded: an app may split
+its engines among `board_shards` boards (by a hash of the engine id; each
+ingress follows all of them), so no one actor takes every push; and a
+long poll answers with the board's head, the `head_size` engines with the
+most slack (all of them when there are fewer), in routing fields only, so
+what an ingress reads and ranks per poll does not grow with the cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import logging
 import time
+import zlib
 
 import ray
+
+from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, slack
+
+logger = logging.getLogger("ray.serve")
 
 NAMESPACE = "tokenflow"
 
@@ -29,16 +43,33 @@ NAMESPACE = "tokenflow"
 LOCAL_ROUTERS: dict = {}
 
 
-def board_name(app_name: str) -> str:
-    return f"tokenflow-board:{app_name or 'default'}"
+# Fields a long poll leaves out of each engine's row: for people reading
+# /v1/tokenflow/engines (which takes the full snapshot), not for ranking.
+DISPLAY_ONLY = ("scheduler", "replica", "pid", "node_id")
+
+
+def board_name(app_name: str, shard: int = 0) -> str:
+    base = f"tokenflow-board:{app_name or 'default'}"
+    return base if shard == 0 else f"{base}#{shard}"
+
+
+def shard_of(engine_id: str, shards: int) -> int:
+    """The board an engine pushes to: stable across processes (not hash())."""
+    return zlib.crc32(engine_id.encode()) % shards if shards > 1 else 0
 
 
 class StateBoard:
     """The state board's body (plain class, so tests can drive it without Ray)."""
 
-    def __init__(self, forget_after_s: float = 60.0):
+    def __init__(self, forget_after_s: float = 60.0, settings: dict | None = None):
         self._forget_after_s = forget_after_s
+        self._settings = RoutingSettings.from_dict(settings)
         self._states: dict[str, dict] = {}
+        # Each engine's slack as of its last push (the head's order), and the
+        # best decode rate any engine has shown (slack's peer capacity).
+        self._slack: dict[str, float] = {}
+        self._best_tps = 0.0
+        self._head: tuple[int, list[str]] | None = None  # (pushes, ids) of the last head computed
         # When each state was fresh, on this actor's monotonic clock: its
         # arrival, less the transit since the engine sent it.
         self._received: dict[str, float] = {}
@@ -53,6 +84,9 @@ class StateBoard:
     async def push(self, state: dict) -> None:
         eid = state["engine_id"]
         self._states[eid] = state
+        st = EngineState.from_dict(state)
+        self._best_tps = max(self._best_tps, st.peak_tps)
+        self._slack[eid] = slack(st, self._settings, self._best_tps)
         # sent_at is the engine's wall clock: count transit too when the two
         # clocks plausibly agree (same host, or NTP), never more than 1 s.
         transit = min(max(time.time() - float(state.get("sent_at") or time.time()), 0.0), 1.0)
@@ -68,6 +102,7 @@ class StateBoard:
     def _forget(self, engine_id: str) -> None:
         self._states.pop(engine_id, None)
         self._received.pop(engine_id, None)
+        self._slack.pop(engine_id, None)
 
     async def snapshot(self) -> dict[str, tuple[dict, float]]:
         return self._snapshot()
@@ -80,9 +115,32 @@ class StateBoard:
             self._forget(eid)  # a replica that is gone for good
         return {eid: (st, now - self._received[eid]) for eid, st in self._states.items()}
 
+    def _head_snapshot(self) -> dict[str, tuple[dict, float]]:
+        """What a long poll answers: the head_size engines with the most slack
+        among those the ingresses would still rank (state at most twice
+        stale_after_s old), or every engine when there are no more than
+        head_size; routing fields only."""
+        now = time.monotonic()
+        s = self._settings
+        if len(self._states) <= s.head_size:
+            ids = list(self._states)
+        else:
+            if self._head is None or self._head[0] != self.pushes:
+                window = 2 * s.stale_after_s
+                live = [e for e, t in self._received.items() if now - t <= window and e in self._slack]
+                self._head = (self.pushes, heapq.nlargest(s.head_size, live, key=self._slack.__getitem__))
+            ids = self._head[1]
+        out = {}
+        for eid in ids:
+            st = self._states.get(eid)
+            if st is not None:
+                row = {k: v for k, v in st.items() if k not in DISPLAY_ONLY}
+                out[eid] = (row, now - self._received[eid])
+        return out
+
     @ray.method(enable_task_events=False)
     async def wait_snapshot(self, after: int, timeout_s: float = 1.0) -> tuple[int, dict]:
-        """(push count, snapshot) as soon as there has been a push past `after`,
+        """(push count, head) as soon as there has been a push past `after`,
         or after timeout_s (then possibly unchanged: ages still advance)."""
         if self.pushes <= after:
             self._changed.clear()
@@ -90,24 +148,59 @@ class StateBoard:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        return self.pushes, self._snapshot()
+        self._snapshot()  # forgets engines gone for good
+        return self.pushes, self._head_snapshot()
 
     async def stats(self) -> dict:
-        return {"engines": len(self._states), "pushes": self.pushes}
+        # cpu_s: this actor process's CPU time (benches take differences).
+        return {"engines": len(self._states), "pushes": self.pushes, "cpu_s": time.process_time()}
 
 
 StateBoardActor = ray.remote(num_cpus=0, max_restarts=-1)(StateBoard)
 
 
-def get_board(app_name: str):
-    """Handle to the app's state board, created on first use."""
-    return StateBoardActor.options(name=board_name(app_name), namespace=NAMESPACE,
-                               get_if_exists=True, lifetime="detached").remote()
+def get_board(app_name: str, shard: int = 0, settings: RoutingSettings | None = None):
+    """Handle to one of the app's state boards, created on first use (with
+    the settings of whoever asks first: the app's router block)."""
+    return StateBoardActor.options(name=board_name(app_name, shard), namespace=NAMESPACE,
+                                   get_if_exists=True, lifetime="detached").remote(
+        settings=settings.to_dict() if settings is not None else None)
 
 
-def kill_app_actors(app_name: str) -> bool:
-    try:
-        ray.kill(ray.get_actor(board_name(app_name), namespace=NAMESPACE), no_restart=True)
-        return True
-    except ValueError:
-        return False
+def kill_app_actors(app_name: str, shards: int = 1) -> bool:
+    killed = False
+    for shard in range(shards):
+        try:
+            ray.kill(ray.get_actor(board_name(app_name, shard), namespace=NAMESPACE), no_restart=True)
+            killed = True
+        except ValueError:
+            pass
+    return killed
+
+
+async def follow(app_name: str, shard: int, settings: RoutingSettings, on_snapshot, get=get_board) -> None:
+    """Long-poll one state board for ever, handing each answer to
+    on_snapshot(snapshot, shard). The board answers as soon as any of its
+    engines pushes, so a state is as old as its transit, not a polling
+    period; refresh_interval_s only bounds how often this loop asks (and
+    paces retries). Never raises but CancelledError: routing falls back to
+    Serve's default while no state arrives."""
+    handle, failures, seen = None, 0, -1
+    while True:
+        started = time.monotonic()
+        try:
+            if handle is None:
+                handle = await asyncio.to_thread(get, app_name, shard, settings)
+                seen = -1
+            poll = handle.wait_snapshot.remote(seen, 1.0)
+            seen, snap = await asyncio.wait_for(poll, timeout=10.0)
+            on_snapshot(snap, shard)
+            failures = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # keep routing (by fallback) whatever happens here
+            handle, failures = None, failures + 1
+            if failures in (1, 10) or failures % 100 == 0:
+                logger.warning(f"TokenFlow router: reading engine states (board {shard}) failed ({failures}x): {e!r}")
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(max(0.0, settings.refresh_interval_s - (time.monotonic() - started)))

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from pydantic import Field
 
 from tokenflow.core.config import DEFAULT_RATE
-from tokenflow.core.settings import Positive, Settings
+from tokenflow.core.settings import Count, Positive, Settings
 
 
 class RoutingSettings(Settings):
@@ -62,6 +62,15 @@ class RoutingSettings(Settings):
                                                        "more.")
     reader_rate: Positive | None = Field(None, description="Tokens/s of one new reader; null: the tokenflow "
                                                            "block's default_rate.")
+    board_shards: Count = Field(1, description="State boards per app: engines push to one of them by a hash of "
+                                               "their id, and each ingress long-polls all of them. One board "
+                                               "takes every push of its engines (push rate x engines); see "
+                                               "docs/SCALING.md for when to add boards.")
+    head_size: Count = Field(64, description="Engines each board names per long poll: those with the most slack "
+                                             "(all of them when there are no more). Bounds what an ingress reads "
+                                             "and ranks per poll and per request however large the cluster; a "
+                                             "burst from one ingress between two polls spreads over at most "
+                                             "board_shards x head_size engines.")
     pending_ttl_s: Positive = Field(2.0, description="A sent request that no push ever reflects stops counting "
                                                      "after this (s).")
 
@@ -189,6 +198,7 @@ class RoutingTable:
         self._clock = clock
         self._states: dict[str, EngineState] = {}
         self._born: dict[str, float] = {}  # local clock time at which each state was fresh
+        self._parts: dict[int, tuple[dict, dict]] = {}  # (states, born) as each state board last said
         self._pending: dict[str, deque] = {}
         self._dead: set[str] = set()  # engines Serve saw die (drop())
         self._lock = threading.Lock()
@@ -198,8 +208,9 @@ class RoutingTable:
         self.decisions: dict[str, int] = {}
         self.has_read = False  # whether any snapshot of the board has arrived
 
-    def update(self, snapshot: dict[str, tuple[dict, float]], now: float | None = None) -> None:
-        """snapshot: engine_id -> (state dict, age in seconds when read)."""
+    def update(self, snapshot: dict[str, tuple[dict, float]], part: int = 0, now: float | None = None) -> None:
+        """snapshot: engine_id -> (state dict, age in seconds when read), from
+        state board number `part` (it replaces what that board said before)."""
         now = self._clock() if now is None else now
         states, born = {}, {}
         with self._lock:
@@ -215,6 +226,12 @@ class RoutingTable:
                     for _ in range(min(len(q or ()), st.received_total - old.received_total)):
                         q.popleft()
                 states[eid], born[eid] = st, now - age
+            self._parts[part] = (states, born)
+            if len(self._parts) > 1:
+                states, born = {}, {}
+                for part_states, part_born in self._parts.values():
+                    states.update(part_states)
+                    born.update(part_born)
             self._states, self._born = states, born
             self.has_read = True
 
@@ -227,6 +244,10 @@ class RoutingTable:
             states.pop(engine_id, None)
             born.pop(engine_id, None)
             self._states, self._born = states, born
+            # Copies, never in place: view() may be reading the old dicts.
+            self._parts = {p: ({e: v for e, v in ps.items() if e != engine_id},
+                               {e: v for e, v in pb.items() if e != engine_id})
+                           for p, (ps, pb) in self._parts.items()}
             self._pending.pop(engine_id, None)
 
     def on_sent(self, engine_id: str, now: float | None = None) -> None:
@@ -271,7 +292,9 @@ class RoutingTable:
         twice stale_after_s old, and Serve drops it sooner when it sees it die."""
         now = self._clock() if now is None else now
         states, born, limit = self._states, self._born, self.settings.stale_after_s
-        ages = {e: now - born[e] for e in candidates if e in states}
+        # Over the table (at most shards x head_size engines), not over
+        # Serve's candidates (every replica of the deployment).
+        ages = {e: now - t for e, t in born.items() if e in candidates}
         if not any(age <= limit for age in ages.values()):
             return None
         usable = {e: states[e] for e, age in ages.items() if age <= 2 * limit}

@@ -5,9 +5,9 @@ Configured on the engine deployment as
 when `router.enabled`), so it runs inside every handle that calls the
 engines, i.e. in each ingress replica.
 
-Per request it only ranks a local table (ranking.py): a background task
-long-polls the app's state board (board.py) for every engine's state
-(answered on each push), and sends made by this router count as load until
+Per request it only ranks a local table (ranking.py): background tasks
+long-poll the app's state boards (board.py) for the engines with the most
+slack (answered on each push), and sends made by this router count as load until
 an engine's push reflects them. With no fresh state for any candidate (at
 start, or when the board is unreachable) it falls back to Serve's default,
 power of two choices.
@@ -20,15 +20,12 @@ board.py (LOCAL_ROUTERS).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import List, Optional
 
 from tokenflow.serve.metrics import RouterMetrics
 from tokenflow.serve.ray_private import PowerOfTwoChoicesRequestRouter
 from tokenflow.serve.routing import board, ranking
-
-logger = logging.getLogger("ray.serve")
 
 
 class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
@@ -54,29 +51,10 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         return self._tf_table
 
     async def _refresh(self) -> None:
-        # Long poll: the actor answers as soon as any engine pushes, so a
-        # state is as old as its transit, not a polling period. The interval
-        # only bounds how often this loop asks (and paces retries).
-        handle, failures, seen = None, 0, -1
-        interval = self._tf_settings.refresh_interval_s
-        while True:
-            started = time.monotonic()
-            try:
-                if handle is None:
-                    handle = await asyncio.to_thread(board.get_board, self.app_name)
-                    seen = -1
-                poll = handle.wait_snapshot.remote(seen, 1.0)
-                seen, snap = await asyncio.wait_for(poll, timeout=10.0)
-                self._tf_table.update(snap)
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # keep routing (by fallback) whatever happens here
-                handle, failures = None, failures + 1
-                if failures in (1, 10) or failures % 100 == 0:
-                    logger.warning(f"TokenFlow router: reading engine states failed ({failures}x): {e!r}")
-                await asyncio.sleep(1.0)
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        # One long poll per state board (board.follow), all feeding the table.
+        s = self._tf_settings
+        await asyncio.gather(*(board.follow(self.app_name, shard, s, self._tf_table.update)
+                               for shard in range(s.board_shards)))
 
     async def choose_replicas(self, candidate_replicas, pending_request=None) -> List[List]:
         start = time.perf_counter()

@@ -1,0 +1,453 @@
+"""`tokenflow bench-router`: the slack router at cluster scale, on one machine.
+
+Runs the real state boards (tokenflow/serve/routing/board.py) and the real
+long-poll, ranking and choosing code of an ingress (board.follow,
+ranking.RoutingTable, the steps of request_router.choose_replicas) against
+N stand-in engines and M stand-in ingresses, for each N asked.
+
+A stand-in engine has a decode capacity; streams arrive when an ingress
+routes one to it, decode at a share of that capacity and end; their readers'
+buffers fill and drain. Each engine pushes its state (the real EngineState,
+with a scheduler summary of the real size) to its board every push
+interval, one actor call per engine as a replica's agent does, spread over
+the interval. Many engines live in one process (a Fleet actor).
+
+A stand-in ingress follows every board as a request router does, and routes
+a Poisson stream of requests: per request it builds the candidate map over
+all N replicas as choose_replicas does, ranks, counts the send, and tells
+the chosen engine's fleet, which adds the stream. After the measured window
+it routes as fast as it can for a while: decisions per second per ingress.
+
+Choice quality: when a stream arrives, its fleet compares the engine's
+slack at that moment with the best slack among the fleet's engines (a
+random sample of the cluster): the gap, in readers of the horizon, and the
+engine's percentile (100: the most slack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import pickle
+import random
+import sys
+import time
+from bisect import bisect_right
+from pathlib import Path
+from types import SimpleNamespace
+
+STEP_TPS = 60.0  # tokens/s one stream gets when its engine is not full (a decode step rate)
+RATE_MIX = ((4.0, 0.3), (10.0, 0.4), (20.0, 0.3))  # readers' tokens/s, and their shares
+LENGTH = (100, 600)  # tokens per answer, uniform
+TICKS_PER_PUSH = 10  # an engine pushes at one of this many phases of the push interval
+CAPACITY_DECISIONS = 2000  # decisions timed back to back, for decisions/s per ingress
+
+
+def _scheduler_summary() -> dict:
+    """A TokenFlow scheduler's router summary, so rows weigh what real ones do."""
+    from tokenflow.core.sched_state import SchedulerState, SchedulerStats
+
+    st = SchedulerState(policy="tokenflow", running=12, waiting=3, paused_hold=2, paused_release=1,
+                        buffer_s_min=0.8, buffer_s_sum=41.5, buffer_s=[], required_rate=130.0, decode_tps=3200.0,
+                        step_rate=58.0, kv_free_blocks=1200, kv_total_blocks=4096, host_pool_blocks=8192,
+                        stats=SchedulerStats(decisions=4321, pauses_hold=120, resumes=118, decision_seconds=1.25),
+                        offload=None)
+    return st.router_summary()
+
+
+class SimEngine:
+    """One stand-in engine: streams as [reader rate, buffered tokens, tokens left]."""
+
+    def __init__(self, engine_id: str, capacity: float, rng: random.Random):
+        self.engine_id, self.capacity, self.rng = engine_id, capacity, rng
+        self.streams: list[list[float]] = []
+        self.received = self.seq = 0
+        self.decode_tps = self.peak_tps = 0.0
+        self.per_stream = STEP_TPS
+
+    def add(self) -> None:
+        rate = self.rng.choices([r for r, _ in RATE_MIX], [w for _, w in RATE_MIX])[0]
+        self.streams.append([rate, 0.0, float(self.rng.randint(*LENGTH))])
+        self.received += 1
+
+    def advance(self, dt: float) -> None:
+        n = len(self.streams)
+        self.per_stream = min(STEP_TPS, self.capacity / n) if n else STEP_TPS
+        for st in self.streams:
+            got = min(self.per_stream * dt, st[2])
+            st[1] = max(0.0, st[1] + got - st[0] * dt)
+            st[2] -= got
+        self.streams = [st for st in self.streams if st[2] > 0]
+        self.decode_tps = self.per_stream * n
+        self.peak_tps = max(self.peak_tps, self.decode_tps)
+
+    def state(self, horizon: float, summary: dict) -> dict:
+        from tokenflow.serve.routing.ranking import EngineState
+
+        bufs = [b / r for r, b, _ in self.streams]
+        self.seq += 1
+        return EngineState(engine_id=self.engine_id, node_id="sim", replica=f"sim#{self.engine_id}", pid=0,
+                           running=len(self.streams), stalled=sum(b <= 0 for b in bufs), buffer_s_sum=sum(bufs),
+                           buffer_s_capped=sum(min(b, horizon) for b in bufs), buffer_s_min=min(bufs, default=None),
+                           rate_sum=sum(min(r, self.per_stream) for r, _, _ in self.streams),
+                           stream_tps=self.per_stream, decode_tps=self.decode_tps, peak_tps=self.peak_tps,
+                           received_total=self.received, seq=self.seq, sent_at=time.time(),
+                           scheduler=summary).to_dict()
+
+
+class Fleet:
+    """Many stand-in engines in one process, each pushing to its board."""
+
+    def __init__(self, app: str, ids: list[str], settings: dict, seed: int):
+        from tokenflow.serve.routing import board
+        from tokenflow.serve.routing.ranking import RoutingSettings
+
+        self.s = RoutingSettings.from_dict(settings)
+        rng = random.Random(seed)
+        self.engines = [SimEngine(eid, rng.uniform(1500.0, 4500.0), random.Random(rng.random())) for eid in ids]
+        self.by_id = {e.engine_id: e for e in self.engines}
+        boards = [board.get_board(app, i, self.s) for i in range(self.s.board_shards)]
+        self.board_of = {eid: boards[board.shard_of(eid, self.s.board_shards)] for eid in ids}
+        for e in self.engines:  # a cluster already at work
+            for _ in range(rng.randint(0, 10)):
+                e.add()
+                e.streams[-1][1] = rng.uniform(0, 200)
+        self.summary = _scheduler_summary()
+        self.slack: dict[str, float] = {}
+        self.sorted_slack: list[float] = []
+        self.window = (0.0, 0.0)
+        self.gaps: list[float] = []  # (best slack - chosen slack) / horizon, per arrival in the window
+        self.percentiles: list[float] = []
+        self.pushes = 0
+
+    def _slack_of(self, e: SimEngine, state: dict) -> float:
+        from tokenflow.serve.routing.ranking import EngineState, slack
+
+        return slack(EngineState.from_dict(state), self.s)
+
+    async def run(self, start: float, window: tuple[float, float], until: float) -> dict:
+        self.window = window
+        interval = self.s.push_interval_s
+        phases = [self.engines[i::TICKS_PER_PUSH] for i in range(TICKS_PER_PUSH)]
+        await asyncio.sleep(max(0.0, start - time.time()))
+        tick = 0
+        cpu0 = None
+        while time.time() < until:
+            began = time.monotonic()
+            if cpu0 is None and time.time() >= window[0]:
+                cpu0, pushes0 = time.process_time(), self.pushes
+            for e in phases[tick % TICKS_PER_PUSH]:
+                e.advance(interval)
+                state = e.state(self.s.horizon_s, self.summary)
+                self.board_of[e.engine_id].push.remote(state)
+                self.pushes += 1
+                self.slack[e.engine_id] = self._slack_of(e, state)
+            self.sorted_slack = sorted(self.slack.values())
+            tick += 1
+            await asyncio.sleep(max(0.0, interval / TICKS_PER_PUSH - (time.monotonic() - began)))
+        return {"pushes": self.pushes - (pushes0 if cpu0 is not None else 0),
+                "cpu_s": time.process_time() - cpu0 if cpu0 is not None else 0.0,
+                "gaps": self.gaps, "percentiles": self.percentiles}
+
+    def arrive(self, ids: list[str]) -> None:
+        now = time.time()
+        measure = self.window[0] <= now <= self.window[1] and self.sorted_slack
+        for eid in ids:
+            e = self.by_id[eid]
+            if measure and eid in self.slack:
+                mine = self.slack[eid]
+                self.gaps.append((self.sorted_slack[-1] - mine) / self.s.horizon_s)
+                self.percentiles.append(100.0 * bisect_right(self.sorted_slack, mine) / len(self.sorted_slack))
+            e.add()
+
+
+class Ingress:
+    """One ingress's request router: the real table, long polls and choice."""
+
+    def __init__(self, app: str, ids: list[str], fleet_of: dict[str, int], fleets: list, settings: dict,
+                 rate: float, seed: int):
+        from tokenflow.serve.routing.ranking import RoutingSettings, RoutingTable
+
+        self.app = app
+        self.s = RoutingSettings.from_dict(settings)
+        self.table = RoutingTable(self.s)
+        # What Serve hands choose_replicas: every replica of the deployment.
+        self.replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=eid)) for eid in ids]
+        self.ids = ids
+        self.fleet_of, self.fleets = fleet_of, fleets
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.snapshots = 0
+        self.bytes = 0
+        self.sampled = 0
+
+    def _on_snapshot(self, snap: dict, part: int) -> None:
+        self.table.update(snap, part)
+        self.snapshots += 1
+        if self.snapshots % 4 == 1:  # measure a quarter of them: pickling costs too
+            self.bytes += len(pickle.dumps(snap))
+            self.sampled += 1
+
+    def choose(self) -> str:
+        """choose_replicas' work for one request (request_router.py), then on_send_request's."""
+        start = time.perf_counter()
+        by_id = {r.replica_id.unique_id: r for r in self.replicas}
+        order = self.table.rank(by_id)
+        if order is None:  # no fresh state: Serve's default would choose
+            chosen = self.rng.choice(self.ids)
+            self.table.record(time.perf_counter() - start, None)
+        else:
+            chosen = order[0]
+            ranks = [[by_id[e]] for e in order]  # noqa: F841 (what Serve gets back)
+            self.table.record(time.perf_counter() - start, chosen)
+        self.table.on_sent(chosen)
+        return chosen
+
+    async def run(self, start: float, window: tuple[float, float]) -> dict:
+        from tokenflow.serve.routing import board
+        from tokenflow.serve.routing.ranking import LatencyStats
+
+        followers = [asyncio.get_running_loop().create_task(board.follow(self.app, i, self.s, self._on_snapshot))
+                     for i in range(self.s.board_shards)]
+        await asyncio.sleep(max(0.0, start - time.time()))
+        batches: dict[int, list[str]] = {}
+        offered = made = 0
+        measuring = False
+        snap0 = bytes0 = sampled0 = 0
+        cpu0 = 0.0
+        due = time.time()
+        while time.time() < window[1]:
+            now = time.time()
+            if not measuring and now >= window[0]:
+                measuring = True
+                self.table.latency, self.table.state_age = LatencyStats(), LatencyStats()
+                self.table.fallbacks = 0
+                snap0, bytes0, sampled0, cpu0 = self.snapshots, self.bytes, self.sampled, time.process_time()
+            while due <= now:  # Poisson arrivals that are due
+                due += self.rng.expovariate(self.rate)
+                offered += measuring
+                eid = self.choose()
+                made += measuring
+                batches.setdefault(self.fleet_of[eid], []).append(eid)
+            for f, ids in batches.items():
+                self.fleets[f].arrive.remote(ids)
+            batches = {}
+            await asyncio.sleep(0.005)
+        cpu = time.process_time() - cpu0
+        elapsed = window[1] - window[0]
+        row = {"decisions": made, "fallbacks": self.table.fallbacks,
+               "choose_ms": self.table.latency.summary(), "age_ms": self.table.state_age.summary(),
+               "snapshots_per_s": (self.snapshots - snap0) / elapsed,
+               "bytes_per_snapshot": (self.bytes - bytes0) / max(1, self.sampled - sampled0),
+               "cpu_util": cpu / elapsed, "table_rows": len(self.table._states)}
+        row["bytes_per_s"] = row["bytes_per_snapshot"] * row["snapshots_per_s"]
+        # Back to back: how many decisions one ingress could make per second.
+        t0 = time.perf_counter()
+        for _ in range(CAPACITY_DECISIONS):
+            self.choose()
+        row["max_decisions_per_s"] = CAPACITY_DECISIONS / (time.perf_counter() - t0)
+        for f in followers:
+            f.cancel()
+        return row
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, warmup: float, shards: int,
+            head_size: int, push_interval: float, fleets: int, seed: int) -> dict:
+    import ray
+
+    from tokenflow.serve.routing import board
+    from tokenflow.serve.routing.ranking import RoutingSettings
+
+    app = f"bench-router-{n}-{shards}-{head_size}-{os.getpid()}"
+    settings = RoutingSettings(push_interval_s=push_interval, refresh_interval_s=push_interval,
+                               board_shards=shards, head_size=head_size).to_dict()
+    ids = [f"engine-{i:05d}" for i in range(n)]
+    fleets = max(1, min(fleets, n))
+    chunks = [ids[i::fleets] for i in range(fleets)]
+    fleet_of = {eid: i for i, chunk in enumerate(chunks) for eid in chunk}
+    s = RoutingSettings.from_dict(settings)
+    boards = [board.get_board(app, i, s) for i in range(shards)]
+    ray.get([b.stats.remote() for b in boards])
+    FleetActor = ray.remote(num_cpus=0)(Fleet)
+    IngressActor = ray.remote(num_cpus=0)(Ingress)
+    fleet_actors = [FleetActor.remote(app, chunk, settings, seed + i) for i, chunk in enumerate(chunks)]
+    rate = n * per_engine_rate / ingresses
+    ingress_actors = [IngressActor.remote(app, ids, fleet_of, fleet_actors, settings, rate, seed + 100 + i)
+                      for i in range(ingresses)]
+    ray.get([f.__ray_ready__.remote() for f in fleet_actors + ingress_actors])
+    start = time.time() + 1.0
+    window = (start + warmup, start + warmup + seconds)
+    fleet_refs = [f.run.remote(start, window, window[1] + CAPACITY_DECISIONS * 1e-3 + 1.0) for f in fleet_actors]
+    ingress_refs = [i.run.remote(start, window) for i in ingress_actors]
+    time.sleep(max(0.0, window[0] - time.time()))
+    before = ray.get([b.stats.remote() for b in boards])
+    time.sleep(max(0.0, window[1] - time.time()))
+    after = ray.get([b.stats.remote() for b in boards])
+    ins = ray.get(ingress_refs)
+    fls = ray.get(fleet_refs)
+    for a in fleet_actors + ingress_actors:
+        ray.kill(a)
+    board.kill_app_actors(app, shards)
+
+    pushes = sum(a["pushes"] - b["pushes"] for a, b in zip(after, before)) / seconds
+    board_cpu = [(a["cpu_s"] - b["cpu_s"]) / seconds for a, b in zip(after, before)]
+    gaps = [g for f in fls for g in f["gaps"]]
+    pcts = [p for f in fls for p in f["percentiles"]]
+    choose = [i["choose_ms"] for i in ins]
+    age = [i["age_ms"] for i in ins]
+    offered_pushes = n / push_interval
+    row = {
+        "engines": n, "ingresses": ingresses, "board_shards": shards, "head_size": head_size,
+        "requests_per_s": round(n * per_engine_rate, 1),
+        "pushes_offered_per_s": round(offered_pushes, 1),
+        "pushes_sent_per_s": round(sum(f["pushes"] for f in fls) / seconds, 1),
+        "pushes_handled_per_s": round(pushes, 1),
+        "board_cpu_util_max": round(max(board_cpu), 3),
+        "age_p50_ms": max(a.get("p50_ms", 0) for a in age), "age_p99_ms": max(a.get("p99_ms", 0) for a in age),
+        "choose_p50_ms": max(c.get("p50_ms", 0) for c in choose),
+        "choose_p99_ms": max(c.get("p99_ms", 0) for c in choose),
+        "max_decisions_per_s": round(min(i["max_decisions_per_s"] for i in ins)),
+        "decisions": sum(i["decisions"] for i in ins), "fallbacks": sum(i["fallbacks"] for i in ins),
+        "bytes_per_s_per_ingress": round(max(i["bytes_per_s"] for i in ins)),
+        "rows_per_ingress": max(i["table_rows"] for i in ins),
+        "ingress_cpu_util_max": round(max(i["cpu_util"] for i in ins), 3),
+        "fleet_cpu_util": round(sum(f["cpu_s"] for f in fls) / seconds, 3),
+        "slack_gap_readers_p50": _round(_pct(gaps, 0.5)), "slack_gap_readers_p99": _round(_pct(gaps, 0.99)),
+        "slack_percentile_mean": _round(sum(pcts) / len(pcts) if pcts else None),
+    }
+    # Saturated: the board took clearly fewer pushes than were sent to it,
+    # or its process was busy nearly all the time.
+    row["board_saturated"] = pushes < 0.9 * row["pushes_sent_per_s"] or max(board_cpu) > 0.9
+    return row
+
+
+def _round(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+COLUMNS = (("engines", "engines"), ("board_shards", "boards"), ("head_size", "head"),
+           ("pushes_offered_per_s", "pushes/s offered"), ("pushes_handled_per_s", "pushes/s handled"),
+           ("board_cpu_util_max", "board CPU"), ("age_p50_ms", "age P50 ms"), ("age_p99_ms", "age P99 ms"),
+           ("choose_p50_ms", "choose P50 ms"), ("choose_p99_ms", "choose P99 ms"),
+           ("max_decisions_per_s", "decisions/s max"), ("bytes_per_s_per_ingress", "bytes/s per ingress"),
+           ("slack_gap_readers_p50", "gap P50 (readers)"), ("slack_gap_readers_p99", "gap P99 (readers)"),
+           ("slack_percentile_mean", "chosen pct"), ("board_saturated", "saturated"))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[k]) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["board_shards"], r["head_size"]), []).append(r)
+    for (shards, head), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["engines"])
+        xs = [r["engines"] for r in rs]
+        label = f"{shards} board(s), head {head}"
+        axes[0].plot(xs, [r["age_p99_ms"] for r in rs], marker="o", label=label)
+        axes[1].plot(xs, [r["choose_p99_ms"] for r in rs], marker="o", label=label)
+        axes[2].plot(xs, [r["board_cpu_util_max"] for r in rs], marker="o", label=label)
+    for ax, title, limit in ((axes[0], "state age at decision, P99 (ms)", 250),
+                             (axes[1], "time to choose, P99 (ms)", 1.0),
+                             (axes[2], "busiest board's CPU (cores)", None)):
+        ax.set_xscale("log")
+        ax.set(xlabel="engines", title=title)
+        if limit is not None:
+            ax.axhline(limit, color="grey", linestyle="--", linewidth=1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--engines", default="2,10,100,1000", help="comma-separated engine counts")
+    parser.add_argument("--shards", default="1", help="comma-separated state board counts to try at each size")
+    parser.add_argument("--head-size", default="64", help="comma-separated head sizes to try at each size")
+    parser.add_argument("--ingresses", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=1.0, help="requests/s per engine, all ingresses together")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--push-interval", type=float, default=0.1)
+    parser.add_argument("--fleets", type=int, default=4, help="processes the stand-in engines live in")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", default="out/bench-router")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated whole numbers, got {text!r}") from None
+    if not xs or min(xs) < 1:
+        raise ValueError(f"--{what} must name at least one number, each at least 1")
+    return xs
+
+
+def run(args) -> int:
+    try:
+        sizes = _ints(args.engines, "engines")
+        shard_list = _ints(args.shards, "shards")
+        heads = _ints(args.head_size, "head-size")
+        for name in ("ingresses", "fleets"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be at least 1")
+        for name in ("rate", "seconds", "push_interval"):
+            if not getattr(args, name) > 0 or math.isinf(getattr(args, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+        if args.warmup < 0:
+            raise ValueError("--warmup must not be negative")
+    except ValueError as e:
+        print(f"tokenflow bench-router: error: {e}", file=sys.stderr)
+        return 2
+
+    import ray
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = [(n, sh, h) for n in sizes for sh in shard_list for h in heads]
+    # A Ray instance of its own (not one `ray start` or a test session left running).
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    rows = []
+    try:
+        bar = tqdm(plan, desc="bench-router", unit="run", file=sys.stderr, dynamic_ncols=True)
+        for n, shards, head in bar:
+            bar.set_postfix(engines=n, boards=shards, head=head, refresh=True)
+            row = run_one(n, ingresses=args.ingresses, per_engine_rate=args.rate, seconds=args.seconds,
+                          warmup=args.warmup, shards=shards, head_size=head, push_interval=args.push_interval,
+                          fleets=args.fleets, seed=args.seed)
+            rows.append(row)
+            tqdm.write(json.dumps(row), file=sys.stderr)
+    finally:
+        ray.shutdown()
+    summary = {"machine": {"cpus": os.cpu_count()}, "args": {k: v for k, v in vars(args).items() if k != "func"},
+               "rows": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if not args.no_plots:
+        print(f"wrote {plot(rows, out / 'router_scale.png')}")
+    print(table(rows))
+    print(f"wrote {out}/summary.json")
+    return 0
