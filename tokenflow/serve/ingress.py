@@ -100,11 +100,15 @@ class TokenFlowIngress(OpenAiIngress):
         ingress process (pending sends, routing latency, state age)."""
         app = serve.get_replica_context().app_name
         try:
-            if self._tf_actor is None:
-                self._tf_actor = await asyncio.to_thread(board.get_board, app)
-            snap = await asyncio.wait_for(self._tf_actor.snapshot.remote(), timeout=5)
+            s = self._tf_settings
+            if self._tf_boards is None:
+                self._tf_boards = [await asyncio.to_thread(board.get_board, app, shard, s)
+                                   for shard in range(s.board_shards)]
+            snap = {}
+            for part in await asyncio.wait_for(asyncio.gather(*(b.snapshot.remote() for b in self._tf_boards)), 5):
+                snap.update(part)
         except Exception as e:
-            self._tf_boards = None  # handles to the app's state boards
+            self._tf_boards = None
             return JSONResponse({"error": f"state board unreachable: {e!r}"}, status_code=503)
         table = ranking.RoutingTable(self._tf_settings)
         table.update(snap)

@@ -15,9 +15,10 @@ that `serve run` started goes away with it anyway).
 At scale (docs/SCALING.md) two things keep it bounded: an app may split
 its engines among `board_shards` boards (by a hash of the engine id; each
 ingress follows all of them), so no one actor takes every push; and a
-long poll answers with the board's head, the `head_size` engines with the
-most slack (all of them when there are fewer), in routing fields only, so
-what an ingress reads and ranks per poll does not grow with the cluster.
+long poll answers with the board's head, the engines with the most slack
+(`head_size` over all boards; all of them when there are fewer), in routing
+fields only, so what an ingress reads and ranks per request does not grow
+with the cluster.
 """
 
 from __future__ import annotations
@@ -116,19 +117,22 @@ class StateBoard:
         return {eid: (st, now - self._received[eid]) for eid, st in self._states.items()}
 
     def _head_snapshot(self) -> dict[str, tuple[dict, float]]:
-        """What a long poll answers: the head_size engines with the most slack
-        among those the ingresses would still rank (state at most twice
-        stale_after_s old), or every engine when there are no more than
-        head_size; routing fields only."""
+        """What a long poll answers: this board's share of the head (head_size
+        over board_shards, rounded up: an ingress's table stays about
+        head_size rows however many boards it follows), the engines with
+        the most slack among those the ingresses would still rank (state at
+        most twice stale_after_s old), or every engine when there are no more;
+        routing fields only."""
         now = time.monotonic()
         s = self._settings
-        if len(self._states) <= s.head_size:
+        size = -(-s.head_size // s.board_shards)  # this board's share of the head
+        if len(self._states) <= size:
             ids = list(self._states)
         else:
             if self._head is None or self._head[0] != self.pushes:
                 window = 2 * s.stale_after_s
                 live = [e for e, t in self._received.items() if now - t <= window and e in self._slack]
-                self._head = (self.pushes, heapq.nlargest(s.head_size, live, key=self._slack.__getitem__))
+                self._head = (self.pushes, heapq.nlargest(size, live, key=self._slack.__getitem__))
             ids = self._head[1]
         out = {}
         for eid in ids:

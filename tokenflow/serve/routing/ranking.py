@@ -66,11 +66,12 @@ class RoutingSettings(Settings):
                                                "their id, and each ingress long-polls all of them. One board "
                                                "takes every push of its engines (push rate x engines); see "
                                                "docs/SCALING.md for when to add boards.")
-    head_size: Count = Field(64, description="Engines each board names per long poll: those with the most slack "
-                                             "(all of them when there are no more). Bounds what an ingress reads "
-                                             "and ranks per poll and per request however large the cluster; a "
-                                             "burst from one ingress between two polls spreads over at most "
-                                             "board_shards x head_size engines.")
+    head_size: Count = Field(64, description="Engines the state boards name per long poll, all boards together "
+                                             "(each its share, rounded up): those with the most slack, or all of "
+                                             "them when there are no more. Bounds what an ingress reads and ranks "
+                                             "per poll and per request however large the cluster; a burst from "
+                                             "one ingress between two polls spreads over at most this many "
+                                             "engines.")
     pending_ttl_s: Positive = Field(2.0, description="A sent request that no push ever reflects stops counting "
                                                      "after this (s).")
 
