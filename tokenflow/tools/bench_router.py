@@ -42,6 +42,7 @@ STEP_TPS = 60.0  # tokens/s one stream gets when its engine is not full (a decod
 RATE_MIX = ((4.0, 0.3), (10.0, 0.4), (20.0, 0.3))  # readers' tokens/s, and their shares
 LENGTH = (100, 600)  # tokens per answer, uniform
 TICKS_PER_PUSH = 10  # an engine pushes at one of this many phases of the push interval
+ARRIVALS_FLUSH_S = 0.05  # routed requests reach their stand-in engines in batches this often
 CAPACITY_DECISIONS = 2000  # decisions timed back to back, for decisions/s per ingress
 
 
@@ -57,110 +58,164 @@ def _scheduler_summary() -> dict:
     return st.router_summary()
 
 
-class SimEngine:
-    """One stand-in engine: streams as [reader rate, buffered tokens, tokens left]."""
+class SimEngines:
+    """Stand-in engines, all of a fleet's in numpy arrays so that thousands
+    cost this machine little: each has a decode capacity; each stream a
+    reader rate, buffered tokens and tokens left."""
 
-    def __init__(self, engine_id: str, capacity: float, rng: random.Random):
-        self.engine_id, self.capacity, self.rng = engine_id, capacity, rng
-        self.streams: list[list[float]] = []
-        self.received = self.seq = 0
-        self.decode_tps = self.peak_tps = 0.0
-        self.per_stream = STEP_TPS
+    def __init__(self, ids: list[str], rng: random.Random, capacity_per_engine: int = 256):
+        import numpy as np
 
-    def add(self) -> None:
-        rate = self.rng.choices([r for r, _ in RATE_MIX], [w for _, w in RATE_MIX])[0]
-        self.streams.append([rate, 0.0, float(self.rng.randint(*LENGTH))])
-        self.received += 1
+        self.np = np
+        self.ids = ids
+        n = len(ids)
+        self.capacity = np.array([rng.uniform(1500.0, 4500.0) for _ in ids])
+        self.peak = np.zeros(n)
+        self.received = np.zeros(n, dtype=np.int64)
+        self.seq = np.zeros(n, dtype=np.int64)
+        size = n * capacity_per_engine
+        self.eng = np.zeros(size, dtype=np.int64)
+        self.rate = np.ones(size)
+        self.buf = np.zeros(size)
+        self.left = np.zeros(size)
+        self.alive = np.zeros(size, dtype=bool)
+        self.rng = np.random.default_rng(rng.randrange(2 ** 32))
+        rates, weights = zip(*RATE_MIX)
+        self._rates, self._weights = np.array(rates), np.array(weights) / sum(weights)
 
-    def advance(self, dt: float) -> None:
-        n = len(self.streams)
-        self.per_stream = min(STEP_TPS, self.capacity / n) if n else STEP_TPS
-        for st in self.streams:
-            got = min(self.per_stream * dt, st[2])
-            st[1] = max(0.0, st[1] + got - st[0] * dt)
-            st[2] -= got
-        self.streams = [st for st in self.streams if st[2] > 0]
-        self.decode_tps = self.per_stream * n
-        self.peak_tps = max(self.peak_tps, self.decode_tps)
+    def add(self, engines, buffered=None) -> None:
+        np = self.np
+        engines = np.asarray(engines, dtype=np.int64)
+        slots = np.flatnonzero(~self.alive)[:len(engines)]
+        engines = engines[:len(slots)]  # a full table drops the rest (never near it here)
+        self.eng[slots] = engines
+        self.rate[slots] = self.rng.choice(self._rates, size=len(slots), p=self._weights)
+        self.buf[slots] = 0.0 if buffered is None else buffered[:len(slots)]
+        self.left[slots] = self.rng.integers(LENGTH[0], LENGTH[1] + 1, size=len(slots))
+        self.alive[slots] = True
+        np.add.at(self.received, engines, 1)
 
-    def state(self, horizon: float, summary: dict) -> dict:
-        from tokenflow.serve.routing.ranking import EngineState
-
-        bufs = [b / r for r, b, _ in self.streams]
-        self.seq += 1
-        return EngineState(engine_id=self.engine_id, node_id="sim", replica=f"sim#{self.engine_id}", pid=0,
-                           running=len(self.streams), stalled=sum(b <= 0 for b in bufs), buffer_s_sum=sum(bufs),
-                           buffer_s_capped=sum(min(b, horizon) for b in bufs), buffer_s_min=min(bufs, default=None),
-                           rate_sum=sum(min(r, self.per_stream) for r, _, _ in self.streams),
-                           stream_tps=self.per_stream, decode_tps=self.decode_tps, peak_tps=self.peak_tps,
-                           received_total=self.received, seq=self.seq, sent_at=time.time(),
-                           scheduler=summary).to_dict()
+    def advance(self, group, dt: float) -> list[dict]:
+        """Advance the engines of `group` (indices) by dt; their states, as
+        EngineState field dicts (without the id-independent fields)."""
+        np = self.np
+        n = len(self.ids)
+        in_group = np.zeros(n, dtype=bool)
+        in_group[group] = True
+        live = np.flatnonzero(self.alive & in_group[self.eng])
+        eng = self.eng[live]
+        count = np.bincount(eng, minlength=n)
+        per = np.minimum(STEP_TPS, self.capacity / np.maximum(count, 1))
+        got = np.minimum(per[eng] * dt, self.left[live])
+        rate = self.rate[live]
+        buf = np.maximum(0.0, self.buf[live] + got - rate * dt)
+        self.buf[live] = buf
+        self.left[live] -= got
+        self.alive[live[self.left[live] <= 0]] = False
+        decode = per * count
+        self.peak = np.maximum(self.peak, np.where(in_group, decode, 0.0))
+        secs = buf / rate
+        sums = np.bincount(eng, weights=secs, minlength=n)
+        capped = np.bincount(eng, weights=np.minimum(secs, 10.0), minlength=n)
+        stalled = np.bincount(eng, weights=(buf <= 0), minlength=n)
+        rate_sum = np.bincount(eng, weights=np.minimum(rate, per[eng]), minlength=n)
+        low = np.full(n, np.inf)
+        np.minimum.at(low, eng, secs)
+        self.seq[group] += 1
+        return [{"running": int(count[i]), "stalled": int(stalled[i]), "buffer_s_sum": float(sums[i]),
+                 "buffer_s_capped": float(capped[i]),
+                 "buffer_s_min": float(low[i]) if count[i] else None, "rate_sum": float(rate_sum[i]),
+                 "stream_tps": float(per[i]), "decode_tps": float(decode[i]), "peak_tps": float(self.peak[i]),
+                 "received_total": int(self.received[i]), "seq": int(self.seq[i])} for i in group]
 
 
 class Fleet:
-    """Many stand-in engines in one process, each pushing to its board."""
+    """Many stand-in engines in one process, each pushing to its board, or
+    to its node's relay (the real relay body, relay.py, in this process:
+    the engine-to-relay hop on a node is not measured here)."""
 
-    def __init__(self, app: str, ids: list[str], settings: dict, seed: int):
+    def __init__(self, app: str, ids: list[str], settings: dict, seed: int, engines_per_node: int):
         from tokenflow.serve.routing import board
-        from tokenflow.serve.routing.ranking import RoutingSettings
+        from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
+        from tokenflow.serve.routing.relay import Relay
 
         self.s = RoutingSettings.from_dict(settings)
         rng = random.Random(seed)
-        self.engines = [SimEngine(eid, rng.uniform(1500.0, 4500.0), random.Random(rng.random())) for eid in ids]
-        self.by_id = {e.engine_id: e for e in self.engines}
-        boards = [board.get_board(app, i, self.s) for i in range(self.s.board_shards)]
-        self.board_of = {eid: boards[board.shard_of(eid, self.s.board_shards)] for eid in ids}
-        for e in self.engines:  # a cluster already at work
-            for _ in range(rng.randint(0, 10)):
-                e.add()
-                e.streams[-1][1] = rng.uniform(0, 200)
-        self.summary = _scheduler_summary()
-        self.slack: dict[str, float] = {}
+        self.ids = ids
+        self.index = {eid: i for i, eid in enumerate(ids)}
+        self.sim = SimEngines(ids, rng)
+        self.boards = [board.get_board(app, i, self.s) for i in range(self.s.board_shards)]
+        if self.s.node_relay:
+            relays = [Relay(self.s.board_shards, self._send, self.s.relay_interval_s)
+                      for _ in range(0, len(ids), engines_per_node)]
+            self.relays = relays
+            self.push_of = [relays[i // engines_per_node].push for i in range(len(ids))]
+        else:
+            self.relays = []
+            self.push_of = [self.boards[board.shard_of(eid, self.s.board_shards)].push.remote for eid in ids]
+        # A cluster already at work: 0-10 streams each, some tokens buffered.
+        starts = [i for i in range(len(ids)) for _ in range(rng.randint(0, 10))]
+        self.sim.add(starts, buffered=[rng.uniform(0, 200) for _ in starts])
+        # Each row as a real engine's: the fields the sim does not move, once.
+        self.template = EngineState(engine_id="", node_id="sim", replica="sim", pid=0,
+                                    scheduler=_scheduler_summary()).to_dict()
+        self.state_type = EngineState
+        self.slack = [0.0] * len(ids)
         self.sorted_slack: list[float] = []
         self.window = (0.0, 0.0)
         self.gaps: list[float] = []  # (best slack - chosen slack) / horizon, per arrival in the window
         self.percentiles: list[float] = []
         self.pushes = 0
 
-    def _slack_of(self, e: SimEngine, state: dict) -> float:
-        from tokenflow.serve.routing.ranking import EngineState, slack
+    async def _send(self, shard: int, states: list[dict]) -> None:
+        await self.boards[shard].push_many.remote(states)
 
-        return slack(EngineState.from_dict(state), self.s)
+    def _counts(self) -> tuple[int, int]:
+        """(states pushed, messages sent to the boards) so far."""
+        if self.relays:
+            return self.pushes, sum(r.messages for r in self.relays)
+        return self.pushes, self.pushes
 
     async def run(self, start: float, window: tuple[float, float], until: float) -> dict:
+        from tokenflow.serve.routing.ranking import slack
+
         self.window = window
         interval = self.s.push_interval_s
-        phases = [self.engines[i::TICKS_PER_PUSH] for i in range(TICKS_PER_PUSH)]
+        phases = [list(range(i, len(self.ids), TICKS_PER_PUSH)) for i in range(TICKS_PER_PUSH)]
         await asyncio.sleep(max(0.0, start - time.time()))
         tick = 0
-        cpu0 = None
+        at_start = at_end = None  # (process CPU, states, messages) at the window's edges
         while time.time() < until:
             began = time.monotonic()
-            if cpu0 is None and time.time() >= window[0]:
-                cpu0, pushes0 = time.process_time(), self.pushes
-            for e in phases[tick % TICKS_PER_PUSH]:
-                e.advance(interval)
-                state = e.state(self.s.horizon_s, self.summary)
-                self.board_of[e.engine_id].push.remote(state)
+            now = time.time()
+            if at_start is None and now >= window[0]:
+                at_start = (time.process_time(), *self._counts())
+            if at_end is None and now >= window[1]:
+                at_end = (time.process_time(), *self._counts())
+            group = phases[tick % TICKS_PER_PUSH]
+            for i, fields in zip(group, self.sim.advance(group, interval)):
+                state = {**self.template, **fields, "engine_id": self.ids[i], "sent_at": time.time()}
+                self.push_of[i](state)
                 self.pushes += 1
-                self.slack[e.engine_id] = self._slack_of(e, state)
-            self.sorted_slack = sorted(self.slack.values())
+                self.slack[i] = slack(self.state_type(**state), self.s)
+            self.sorted_slack = sorted(self.slack)
             tick += 1
             await asyncio.sleep(max(0.0, interval / TICKS_PER_PUSH - (time.monotonic() - began)))
-        return {"pushes": self.pushes - (pushes0 if cpu0 is not None else 0),
-                "cpu_s": time.process_time() - cpu0 if cpu0 is not None else 0.0,
-                "gaps": self.gaps, "percentiles": self.percentiles}
+        at_end = at_end or (time.process_time(), *self._counts())
+        at_start = at_start or at_end
+        return {"cpu_s": at_end[0] - at_start[0], "states": at_end[1] - at_start[1],
+                "messages": at_end[2] - at_start[2], "gaps": self.gaps, "percentiles": self.percentiles}
 
     def arrive(self, ids: list[str]) -> None:
         now = time.time()
         measure = self.window[0] <= now <= self.window[1] and self.sorted_slack
-        for eid in ids:
-            e = self.by_id[eid]
-            if measure and eid in self.slack:
-                mine = self.slack[eid]
+        engines = [self.index[eid] for eid in ids]
+        if measure:
+            for i in engines:
+                mine = self.slack[i]
                 self.gaps.append((self.sorted_slack[-1] - mine) / self.s.horizon_s)
                 self.percentiles.append(100.0 * bisect_right(self.sorted_slack, mine) / len(self.sorted_slack))
-            e.add()
+        self.sim.add(engines)
 
 
 class Ingress:
@@ -217,7 +272,7 @@ class Ingress:
         measuring = False
         snap0 = bytes0 = sampled0 = 0
         cpu0 = 0.0
-        due = time.time()
+        due = flush_at = time.time()
         while time.time() < window[1]:
             now = time.time()
             if not measuring and now >= window[0]:
@@ -231,9 +286,10 @@ class Ingress:
                 eid = self.choose()
                 made += measuring
                 batches.setdefault(self.fleet_of[eid], []).append(eid)
-            for f, ids in batches.items():
-                self.fleets[f].arrive.remote(ids)
-            batches = {}
+            if now >= flush_at:  # one message per fleet per flush: the bench's own traffic stays small
+                for f, ids in batches.items():
+                    self.fleets[f].arrive.remote(ids)
+                batches, flush_at = {}, now + ARRIVALS_FLUSH_S
             await asyncio.sleep(0.005)
         cpu = time.process_time() - cpu0
         elapsed = window[1] - window[0]
@@ -261,25 +317,30 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 
 def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, warmup: float, shards: int,
-            head_size: int, push_interval: float, fleets: int, seed: int) -> dict:
+            head_size: int, push_interval: float, fleets: int, seed: int, relay: bool = False,
+            engines_per_node: int = 8) -> dict:
     import ray
 
     from tokenflow.serve.routing import board
     from tokenflow.serve.routing.ranking import RoutingSettings
 
-    app = f"bench-router-{n}-{shards}-{head_size}-{os.getpid()}"
+    app = f"bench-router-{n}-{shards}-{head_size}-{int(relay)}-{os.getpid()}"
     settings = RoutingSettings(push_interval_s=push_interval, refresh_interval_s=push_interval,
-                               board_shards=shards, head_size=head_size).to_dict()
+                               board_shards=shards, head_size=head_size, node_relay=relay).to_dict()
     ids = [f"engine-{i:05d}" for i in range(n)]
     fleets = max(1, min(fleets, n))
-    chunks = [ids[i::fleets] for i in range(fleets)]
+    # Whole nodes per fleet (a node's engines share its relay).
+    nodes = [ids[i:i + engines_per_node] for i in range(0, n, engines_per_node)]
+    chunks = [[eid for node in nodes[f::fleets] for eid in node] for f in range(fleets)]
+    chunks = [c for c in chunks if c]
     fleet_of = {eid: i for i, chunk in enumerate(chunks) for eid in chunk}
     s = RoutingSettings.from_dict(settings)
     boards = [board.get_board(app, i, s) for i in range(shards)]
     ray.get([b.stats.remote() for b in boards])
     FleetActor = ray.remote(num_cpus=0)(Fleet)
     IngressActor = ray.remote(num_cpus=0)(Ingress)
-    fleet_actors = [FleetActor.remote(app, chunk, settings, seed + i) for i, chunk in enumerate(chunks)]
+    fleet_actors = [FleetActor.remote(app, chunk, settings, seed + i, engines_per_node)
+                    for i, chunk in enumerate(chunks)]
     rate = n * per_engine_rate / ingresses
     ingress_actors = [IngressActor.remote(app, ids, fleet_of, fleet_actors, settings, rate, seed + 100 + i)
                       for i in range(ingresses)]
@@ -299,6 +360,7 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     board.kill_app_actors(app, shards)
 
     pushes = sum(a["pushes"] - b["pushes"] for a, b in zip(after, before)) / seconds
+    messages = sum(a["messages"] - b["messages"] for a, b in zip(after, before)) / seconds
     board_cpu = [(a["cpu_s"] - b["cpu_s"]) / seconds for a, b in zip(after, before)]
     gaps = [g for f in fls for g in f["gaps"]]
     pcts = [p for f in fls for p in f["percentiles"]]
@@ -307,10 +369,13 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     offered_pushes = n / push_interval
     row = {
         "engines": n, "ingresses": ingresses, "board_shards": shards, "head_size": head_size,
+        "node_relay": relay, "engines_per_node": engines_per_node if relay else None,
         "requests_per_s": round(n * per_engine_rate, 1),
         "pushes_offered_per_s": round(offered_pushes, 1),
-        "pushes_sent_per_s": round(sum(f["pushes"] for f in fls) / seconds, 1),
+        "pushes_sent_per_s": round(sum(f["states"] for f in fls) / seconds, 1),
         "pushes_handled_per_s": round(pushes, 1),
+        "messages_sent_per_s": round(sum(f["messages"] for f in fls) / seconds, 1),
+        "messages_handled_per_s": round(messages, 1),
         "board_cpu_util_max": round(max(board_cpu), 3),
         "age_p50_ms": max(a.get("p50_ms", 0) for a in age), "age_p99_ms": max(a.get("p99_ms", 0) for a in age),
         "choose_p50_ms": max(c.get("p50_ms", 0) for c in choose),
@@ -327,6 +392,7 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     # Saturated: the board took clearly fewer pushes than were sent to it,
     # or its process was busy nearly all the time.
     row["board_saturated"] = pushes < 0.9 * row["pushes_sent_per_s"] or max(board_cpu) > 0.9
+    row["board_ms_per_message"] = round(1000 * sum(board_cpu) / messages, 3) if messages else None
     return row
 
 
@@ -334,9 +400,10 @@ def _round(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
 
 
-COLUMNS = (("engines", "engines"), ("board_shards", "boards"), ("head_size", "head"),
-           ("pushes_offered_per_s", "pushes/s offered"), ("pushes_handled_per_s", "pushes/s handled"),
-           ("board_cpu_util_max", "board CPU"), ("age_p50_ms", "age P50 ms"), ("age_p99_ms", "age P99 ms"),
+COLUMNS = (("engines", "engines"), ("board_shards", "boards"), ("head_size", "head"), ("node_relay", "relay"),
+           ("pushes_offered_per_s", "states/s offered"), ("pushes_handled_per_s", "states/s handled"),
+           ("messages_handled_per_s", "messages/s handled"), ("board_cpu_util_max", "board CPU"),
+           ("age_p50_ms", "age P50 ms"), ("age_p99_ms", "age P99 ms"),
            ("choose_p50_ms", "choose P50 ms"), ("choose_p99_ms", "choose P99 ms"),
            ("max_decisions_per_s", "decisions/s max"), ("bytes_per_s_per_ingress", "bytes/s per ingress"),
            ("slack_gap_readers_p50", "gap P50 (readers)"), ("slack_gap_readers_p99", "gap P99 (readers)"),
@@ -359,11 +426,11 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["board_shards"], r["head_size"]), []).append(r)
-    for (shards, head), rs in groups.items():
+        groups.setdefault((r["board_shards"], r["head_size"], r["node_relay"]), []).append(r)
+    for (shards, head, relay), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["engines"])
         xs = [r["engines"] for r in rs]
-        label = f"{shards} board(s), head {head}"
+        label = f"{shards} board(s), head {head}" + (", node relays" if relay else "")
         axes[0].plot(xs, [r["age_p99_ms"] for r in rs], marker="o", label=label)
         axes[1].plot(xs, [r["choose_p99_ms"] for r in rs], marker="o", label=label)
         axes[2].plot(xs, [r["board_cpu_util_max"] for r in rs], marker="o", label=label)
@@ -385,12 +452,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engines", default="2,10,100,1000", help="comma-separated engine counts")
     parser.add_argument("--shards", default="1", help="comma-separated state board counts to try at each size")
     parser.add_argument("--head-size", default="64", help="comma-separated head sizes to try at each size")
+    parser.add_argument("--relay", default="on", choices=("on", "off", "both"),
+                        help="engines push through their node's relay (router.node_relay), or each to a board")
+    parser.add_argument("--engines-per-node", type=int, default=8)
     parser.add_argument("--ingresses", type=int, default=2)
     parser.add_argument("--rate", type=float, default=1.0, help="requests/s per engine, all ingresses together")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--push-interval", type=float, default=0.1)
-    parser.add_argument("--fleets", type=int, default=4, help="processes the stand-in engines live in")
+    parser.add_argument("--fleets", type=int, default=2, help="processes the stand-in engines live in")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="out/bench-router")
@@ -411,9 +481,9 @@ def run(args) -> int:
         sizes = _ints(args.engines, "engines")
         shard_list = _ints(args.shards, "shards")
         heads = _ints(args.head_size, "head-size")
-        for name in ("ingresses", "fleets"):
+        for name in ("ingresses", "fleets", "engines_per_node"):
             if getattr(args, name) < 1:
-                raise ValueError(f"--{name} must be at least 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("rate", "seconds", "push_interval"):
             if not getattr(args, name) > 0 or math.isinf(getattr(args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
@@ -428,17 +498,18 @@ def run(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = [(n, sh, h) for n in sizes for sh in shard_list for h in heads]
+    relays = {"on": [True], "off": [False], "both": [False, True]}[args.relay]
+    plan = [(n, sh, h, rl) for n in sizes for sh in shard_list for h in heads for rl in relays]
     # A Ray instance of its own (not one `ray start` or a test session left running).
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     rows = []
     try:
         bar = tqdm(plan, desc="bench-router", unit="run", file=sys.stderr, dynamic_ncols=True)
-        for n, shards, head in bar:
-            bar.set_postfix(engines=n, boards=shards, head=head, refresh=True)
+        for n, shards, head, relay in bar:
+            bar.set_postfix(engines=n, boards=shards, head=head, relay=relay, refresh=True)
             row = run_one(n, ingresses=args.ingresses, per_engine_rate=args.rate, seconds=args.seconds,
                           warmup=args.warmup, shards=shards, head_size=head, push_interval=args.push_interval,
-                          fleets=args.fleets, seed=args.seed)
+                          fleets=args.fleets, seed=args.seed, relay=relay, engines_per_node=args.engines_per_node)
             rows.append(row)
             tqdm.write(json.dumps(row), file=sys.stderr)
     finally:

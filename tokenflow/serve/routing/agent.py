@@ -25,6 +25,7 @@ from tokenflow.core.sched_state import SchedulerState
 from tokenflow.serve import kv_pool
 from tokenflow.serve.routing.board import get_board, shard_of
 from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
+from tokenflow.serve.routing.relay import get_relay
 from tokenflow.serve.streams import EngineTracker
 
 logger = logging.getLogger("ray.serve")
@@ -145,8 +146,11 @@ class EngineAgent:
     async def _push(self) -> bool | None:
         if self._router is None:
             s = self.router_settings
-            self._router = await asyncio.to_thread(get_board, self.app_name,
-                                                   shard_of(self.engine_id, s.board_shards), s)
+            if s.node_relay:  # the node's relay forwards to the boards; same push and forget calls
+                self._router = await asyncio.to_thread(get_relay, self.app_name, self.node_id, s)
+            else:
+                self._router = await asyncio.to_thread(get_board, self.app_name,
+                                                       shard_of(self.engine_id, s.board_shards), s)
         self._check_last_push()
         if self._engine_dead():
             # Leave the slack routing at once (an idle dead engine would look

@@ -74,7 +74,8 @@ class StateBoard:
         # When each state was fresh, on this actor's monotonic clock: its
         # arrival, less the transit since the engine sent it.
         self._received: dict[str, float] = {}
-        self.pushes = 0
+        self.pushes = 0  # engine states taken (the long polls' version)
+        self.messages = 0  # push and push_many calls
         self._changed = asyncio.Event()  # set on every push; long polls wait on it
 
     # Every method is async, so all run on the actor's one event loop (the
@@ -83,6 +84,19 @@ class StateBoard:
     # 2,000-request soak (docs/RELIABILITY.md).
     @ray.method(enable_task_events=False)
     async def push(self, state: dict) -> None:
+        self._take(state)
+        self.messages += 1
+        self._changed.set()
+
+    @ray.method(enable_task_events=False)
+    async def push_many(self, states: list[dict]) -> None:
+        """Several engines' states in one message (a node's relay, relay.py)."""
+        for state in states:
+            self._take(state)
+        self.messages += 1
+        self._changed.set()
+
+    def _take(self, state: dict) -> None:
         eid = state["engine_id"]
         self._states[eid] = state
         st = EngineState.from_dict(state)
@@ -93,7 +107,6 @@ class StateBoard:
         transit = min(max(time.time() - float(state.get("sent_at") or time.time()), 0.0), 1.0)
         self._received[eid] = time.monotonic() - transit
         self.pushes += 1
-        self._changed.set()
 
     async def forget(self, engine_id: str) -> None:
         self._forget(engine_id)
@@ -157,7 +170,8 @@ class StateBoard:
 
     async def stats(self) -> dict:
         # cpu_s: this actor process's CPU time (benches take differences).
-        return {"engines": len(self._states), "pushes": self.pushes, "cpu_s": time.process_time()}
+        return {"engines": len(self._states), "pushes": self.pushes, "messages": self.messages,
+                "cpu_s": time.process_time()}
 
 
 StateBoardActor = ray.remote(num_cpus=0, max_restarts=-1)(StateBoard)

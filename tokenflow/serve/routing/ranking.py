@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from pydantic import Field
 
@@ -66,6 +66,12 @@ class RoutingSettings(Settings):
                                                "their id, and each ingress long-polls all of them. One board "
                                                "takes every push of its engines (push rate x engines); see "
                                                "docs/SCALING.md for when to add boards.")
+    node_relay: bool = Field(False, description="Engines push to one relay actor on their node, which forwards "
+                                                "their states to the boards in one message per board and "
+                                                "relay_interval_s (relay.py). For many engines per node or many "
+                                                "nodes: a board's cost is per message.")
+    relay_interval_s: Positive = Field(0.05, description="Least time (s) between two messages of a node's relay to "
+                                                         "one board; what arrives meanwhile goes in the next.")
     head_size: Count = Field(64, description="Engines the state boards name per long poll, all boards together "
                                              "(each its share, rounded up): those with the most slack, or all of "
                                              "them when there are no more. Bounds what an ingress reads and ranks "
@@ -109,7 +115,9 @@ class EngineState:
         return self.running + self.waiting + self.unary
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Shallow (not dataclasses.asdict, which deep-copies `scheduler`):
+        # built on every push, and pickled right after.
+        return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineState":
@@ -140,20 +148,31 @@ def peer_tps(states) -> float:
     return max((st.peak_tps for st in states), default=0.0)
 
 
+def engine_terms(state: EngineState, s: RoutingSettings, best_tps: float) -> tuple[float, float, int]:
+    """What ranking needs of one engine's state, computed once per state:
+    (slack, reader-seconds one more sent request takes from it, load)."""
+    # A sent request will show as one more reader: H reader-seconds less,
+    # counted as the engine will count it (at most one stream's speed), so
+    # an engine that has reported its share of a burst and one whose share
+    # is still in flight weigh the same.
+    return slack(state, s, best_tps), s.horizon_s * new_reader_share(state, s), state.load
+
+
+def order_engines(terms: dict[str, tuple[float, float, int]], pending: dict[str, int]) -> list[str]:
+    """Engine ids, best first: most slack left after the requests sent to
+    each; ties: least loaded, then by id so the order is deterministic."""
+    def key(eid: str):
+        base, per_send, load = terms[eid]
+        p = pending.get(eid, 0)
+        return (-(base - per_send * p), load + p, eid)
+
+    return sorted(terms, key=key)
+
+
 def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RoutingSettings) -> list[str]:
     """Engine ids, best first, for the next request. Callers pass only fresh states."""
     best = peer_tps(states.values())
-
-    def key(eid: str):
-        st, p = states[eid], pending.get(eid, 0)
-        # A sent request will show as one more reader: H reader-seconds less,
-        # counted as the engine will count it (at most one stream's speed),
-        # so an engine that has reported its share of a burst and one whose
-        # share is still in flight weigh the same. Ties: least loaded, then
-        # by id so the order is deterministic.
-        return (-(slack(st, s, best) - s.horizon_s * p * new_reader_share(st, s)), st.load + p, eid)
-
-    return sorted(states, key=key)
+    return order_engines({eid: engine_terms(st, s, best) for eid, st in states.items()}, pending)
 
 
 def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings) -> dict[str, int]:
@@ -200,6 +219,7 @@ class RoutingTable:
         self._states: dict[str, EngineState] = {}
         self._born: dict[str, float] = {}  # local clock time at which each state was fresh
         self._parts: dict[int, tuple[dict, dict]] = {}  # (states, born) as each state board last said
+        self._terms: dict[str, tuple[float, float, int]] = {}  # engine_terms of each state, for rank()
         self._pending: dict[str, deque] = {}
         self._dead: set[str] = set()  # engines Serve saw die (drop())
         self._lock = threading.Lock()
@@ -233,6 +253,8 @@ class RoutingTable:
                 for part_states, part_born in self._parts.values():
                     states.update(part_states)
                     born.update(part_born)
+            best = peer_tps(states.values())
+            self._terms = {eid: engine_terms(st, self.settings, best) for eid, st in states.items()}
             self._states, self._born = states, born
             self.has_read = True
 
@@ -255,12 +277,15 @@ class RoutingTable:
         with self._lock:
             self._pending.setdefault(engine_id, deque()).append(self._clock() if now is None else now)
 
-    def pending(self, now: float | None = None) -> dict[str, int]:
+    def pending(self, now: float | None = None, engines=None) -> dict[str, int]:
+        """Requests sent to each engine (or to each of `engines`) that no
+        push has reflected yet, less those older than pending_ttl_s."""
         now = self._clock() if now is None else now
         cutoff = now - self.settings.pending_ttl_s
         out = {}
         with self._lock:
-            for eid, q in self._pending.items():
+            for eid in self._pending if engines is None else engines:
+                q = self._pending.get(eid)
                 while q and q[0] < cutoff:
                     q.popleft()
                 if q:
@@ -270,7 +295,7 @@ class RoutingTable:
     def queue_len(self, engine_id: str, now: float | None = None) -> int:
         """Requests the engine holds, as its last state and our sends since say."""
         st = self._states.get(engine_id)
-        return (st.load if st is not None else 0) + self.pending(now).get(engine_id, 0)
+        return (st.load if st is not None else 0) + self.pending(now, (engine_id,)).get(engine_id, 0)
 
     def age(self, engine_id: str, now: float | None = None) -> float | None:
         born = self._born.get(engine_id)
@@ -292,14 +317,15 @@ class RoutingTable:
         since, it gets its share; a dead one stays out once its state is
         twice stale_after_s old, and Serve drops it sooner when it sees it die."""
         now = self._clock() if now is None else now
-        states, born, limit = self._states, self._born, self.settings.stale_after_s
+        born, limit = self._born, self.settings.stale_after_s
         # Over the table (at most shards x head_size engines), not over
         # Serve's candidates (every replica of the deployment).
         ages = {e: now - t for e, t in born.items() if e in candidates}
         if not any(age <= limit for age in ages.values()):
             return None
-        usable = {e: states[e] for e, age in ages.items() if age <= 2 * limit}
-        return rank_engines(usable, self.pending(now), self.settings)
+        terms = self._terms
+        usable = {e: terms[e] for e, age in ages.items() if age <= 2 * limit and e in terms}
+        return order_engines(usable, self.pending(now, usable))
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
         self.latency.add(seconds)

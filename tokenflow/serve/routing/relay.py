@@ -1,0 +1,131 @@
+"""One relay per node between its engines and the state boards.
+
+A state board's cost is per message (Ray's work for each actor call), not
+per engine state in it (docs/SCALING.md). With `router.node_relay`, the
+engines of a node push to their node's relay instead of a board, and the
+relay forwards what has arrived as one `push_many` per board: at once when
+it has been idle, then at most one message per `relay_interval_s` and
+never two in flight to one board. A node's engines thus cost a board one
+message per interval however many they are, a state waits at most that
+interval, and when a board is slow the messages grow instead of its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+import ray
+
+from tokenflow.serve.routing.board import NAMESPACE, get_board, shard_of
+from tokenflow.serve.routing.ranking import RoutingSettings
+
+logger = logging.getLogger("ray.serve")
+
+
+class Relay:
+    """The relay's body: send(shard, states) delivers one message to a board."""
+
+    def __init__(self, shards: int, send: Callable[[int, list[dict]], Awaitable[None]], min_gap_s: float = 0.0):
+        self._shards = shards
+        self._send = send
+        self._min_gap_s = min_gap_s
+        self._waiting: dict[int, dict[str, dict]] = {}  # board -> engine id -> its latest state
+        self._busy: set[int] = set()  # boards with a message in flight
+        self.messages = 0
+        self.states = 0
+
+    def push(self, state: dict) -> None:
+        shard = shard_of(state["engine_id"], self._shards)
+        self._waiting.setdefault(shard, {})[state["engine_id"]] = state  # a newer state replaces an unsent one
+        if shard not in self._busy:
+            self._busy.add(shard)
+            asyncio.get_running_loop().create_task(self._drain(shard))
+
+    def discard(self, engine_id: str) -> None:
+        """Drop an engine's unsent state (it is leaving the routing)."""
+        self._waiting.get(shard_of(engine_id, self._shards), {}).pop(engine_id, None)
+
+    async def _drain(self, shard: int) -> None:
+        try:
+            while self._waiting.get(shard):
+                began = time.monotonic()
+                batch = list(self._waiting.pop(shard).values())
+                try:
+                    await self._send(shard, batch)
+                except Exception as e:  # the next pushes carry newer states anyway
+                    logger.warning(f"TokenFlow relay: forwarding {len(batch)} states to board {shard} failed: {e!r}")
+                    await asyncio.sleep(0.5)
+                self.messages += 1
+                self.states += len(batch)
+                # Pushes that arrive meanwhile wait for the next message.
+                await asyncio.sleep(max(0.0, self._min_gap_s - (time.monotonic() - began)))
+        finally:
+            self._busy.discard(shard)
+
+
+class RelayActor:
+    """A node's relay as a Ray actor, forwarding to the app's boards."""
+
+    def __init__(self, app_name: str, settings: dict):
+        self._app = app_name
+        self._settings = RoutingSettings.from_dict(settings)
+        self._boards: dict[int, object] = {}
+        self._relay = Relay(self._settings.board_shards, self._send, self._settings.relay_interval_s)
+
+    async def _board(self, shard: int):
+        if shard not in self._boards:
+            self._boards[shard] = await asyncio.to_thread(get_board, self._app, shard, self._settings)
+        return self._boards[shard]
+
+    async def _send(self, shard: int, states: list[dict]) -> None:
+        board = await self._board(shard)
+        try:
+            await board.push_many.remote(states)
+        except ray.exceptions.RayActorError:
+            self._boards.pop(shard, None)  # gone for good: look it up (recreate it) next time
+            raise
+
+    @ray.method(enable_task_events=False)
+    async def push(self, state: dict) -> None:
+        self._relay.push(state)
+
+    async def forget(self, engine_id: str) -> None:
+        self._relay.discard(engine_id)
+        board = await self._board(shard_of(engine_id, self._settings.board_shards))
+        await board.forget.remote(engine_id)
+
+    async def stats(self) -> dict:
+        return {"messages": self._relay.messages, "states": self._relay.states}
+
+
+RelayActorRemote = ray.remote(num_cpus=0, max_restarts=-1)(RelayActor)
+
+
+def relay_name(app_name: str, node_id: str) -> str:
+    return f"tokenflow-relay:{app_name or 'default'}:{node_id}"
+
+
+def get_relay(app_name: str, node_id: str, settings: RoutingSettings):
+    """Handle to the app's relay on that node, created there on first use."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return RelayActorRemote.options(
+        name=relay_name(app_name, node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(app_name, settings.to_dict())
+
+
+def kill_relays(app_name: str) -> int:
+    prefix = relay_name(app_name, "")
+    killed = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and entry.get("name", "").startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:
+                pass
+    return killed
