@@ -62,7 +62,7 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         order = None
         # LoRA requests keep Serve's multiplex-aware choice.
         if pending_request is None or not pending_request.metadata.multiplexed_model_id:
-            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            by_id = self._tf_by_id(candidate_replicas)
             order = table.rank(by_id)
         if order is None:
             ranks = await super().choose_replicas(candidate_replicas, pending_request)
@@ -79,6 +79,16 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         for e in order:
             cache.update(by_id[e].replica_id, table.queue_len(e))
         return [[by_id[e]] for e in order]
+
+    def _tf_by_id(self, candidate_replicas) -> dict:
+        """Candidates by id. Serve passes the same list object until its
+        replicas change (then a new list), so the map is built once per
+        change, not once per request over every replica."""
+        cached = getattr(self, "_tf_candidates", None)
+        if cached is None or cached[0] is not candidate_replicas or len(cached[1]) != len(candidate_replicas):
+            cached = (candidate_replicas, {r.replica_id.unique_id: r for r in candidate_replicas})
+            self._tf_candidates = cached
+        return cached[1]
 
     def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:
         seconds = time.perf_counter() - start
