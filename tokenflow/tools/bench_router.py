@@ -223,9 +223,10 @@ class Ingress:
 
     def __init__(self, app: str, ids: list[str], fleet_of: dict[str, int], fleets: list, settings: dict,
                  rate: float, seed: int):
-        from tokenflow.serve.routing.ranking import RoutingSettings, RoutingTable
+        from tokenflow.serve.routing.ranking import CandidateIndex, RoutingSettings, RoutingTable
 
         self.app = app
+        self.candidates = CandidateIndex()
         self.s = RoutingSettings.from_dict(settings)
         self.table = RoutingTable(self.s)
         # What Serve hands choose_replicas: every replica of the deployment.
@@ -247,10 +248,9 @@ class Ingress:
 
     def choose(self) -> str:
         """choose_replicas' work for one request (request_router.py), then on_send_request's."""
-        from tokenflow.serve.routing.request_router import TokenFlowRequestRouter
 
         start = time.perf_counter()
-        by_id = TokenFlowRequestRouter._tf_by_id(self, self.replicas)
+        by_id = self.candidates(self.replicas)
         order = self.table.rank(by_id)
         if order is None:  # no fresh state: Serve's default would choose
             chosen = self.rng.choice(self.ids)

@@ -183,6 +183,22 @@ def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings) -> d
     return pending
 
 
+class CandidateIndex:
+    """Serve's candidate replicas by id. Serve passes choose_replicas the
+    same list object until its replicas change (then a new list), so the map
+    is built once per change, not over every replica on every request."""
+
+    def __init__(self):
+        self._list = None
+        self._by_id: dict = {}
+
+    def __call__(self, candidates) -> dict:
+        if candidates is not self._list or len(self._by_id) != len(candidates):
+            self._list = candidates
+            self._by_id = {r.replica_id.unique_id: r for r in candidates}
+        return self._by_id
+
+
 class LatencyStats:
     """Recent samples (seconds) and their summary in ms; appends are thread-safe."""
 

@@ -32,6 +32,7 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, **kwargs) -> None:
         self._tf_settings = ranking.RoutingSettings.from_dict(kwargs)
         self._tf_table = ranking.RoutingTable(self._tf_settings)
+        self._tf_candidates = ranking.CandidateIndex()
         self._tf_refresher: Optional[asyncio.Task] = None
         key = f"{self._deployment_id.app_name}/{self._deployment_id.name}#{id(self):x}"
         board.LOCAL_ROUTERS[key] = self._tf_table
@@ -62,7 +63,7 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         order = None
         # LoRA requests keep Serve's multiplex-aware choice.
         if pending_request is None or not pending_request.metadata.multiplexed_model_id:
-            by_id = self._tf_by_id(candidate_replicas)
+            by_id = self._tf_candidates(candidate_replicas)
             order = table.rank(by_id)
         if order is None:
             ranks = await super().choose_replicas(candidate_replicas, pending_request)
@@ -79,16 +80,6 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         for e in order:
             cache.update(by_id[e].replica_id, table.queue_len(e))
         return [[by_id[e]] for e in order]
-
-    def _tf_by_id(self, candidate_replicas) -> dict:
-        """Candidates by id. Serve passes the same list object until its
-        replicas change (then a new list), so the map is built once per
-        change, not once per request over every replica."""
-        cached = getattr(self, "_tf_candidates", None)
-        if cached is None or cached[0] is not candidate_replicas or len(cached[1]) != len(candidate_replicas):
-            cached = (candidate_replicas, {r.replica_id.unique_id: r for r in candidate_replicas})
-            self._tf_candidates = cached
-        return cached[1]
 
     def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:
         seconds = time.perf_counter() - start
