@@ -229,6 +229,38 @@ def test_a_long_poll_names_the_engines_with_most_slack_when_there_are_many():
     asyncio.run(run())
 
 
+def test_a_node_relay_sends_one_message_per_interval_with_each_engines_latest_state():
+    from tokenflow.serve.routing.board import StateBoard
+    from tokenflow.serve.routing.relay import Relay
+
+    async def run():
+        board = StateBoard(settings=S.to_dict())
+        sent: list[tuple[int, list[str], float]] = []
+
+        async def send(shard, states):
+            sent.append((shard, [f"{s['engine_id']}#{s['running']}" for s in states], time.monotonic()))
+            await board.push_many(states)
+
+        relay = Relay(3, send, min_gap_s=0.2)
+        t0 = time.monotonic()
+        relay.push({**engine("a", running=1).to_dict(), "sent_at": time.time()})
+        await asyncio.sleep(0.01)
+        assert [(s, ids) for s, ids, _ in sent] == [(3, ["a#1"])]  # idle relay: at once
+        for k in range(2, 6):  # eight pushes within the interval: one message, each engine's newest state
+            relay.push({**engine("a", running=k).to_dict(), "sent_at": time.time()})
+            relay.push({**engine("b", running=k).to_dict(), "sent_at": time.time()})
+        relay.discard("b")
+        relay.push({**engine("c", running=1).to_dict(), "sent_at": time.time()})
+        await asyncio.sleep(0.4)
+        assert [(s, ids) for s, ids, _ in sent] == [(3, ["a#1"]), (3, ["a#5", "c#1"])]
+        assert sent[1][2] - t0 >= 0.19  # not before the interval
+        assert (relay.messages, relay.states) == (2, 3)
+        _, head = await board.wait_snapshot(-1, 0.01)
+        assert sorted(head) == ["a", "c"] and head["a"][0]["running"] == 5 and board.messages == 2
+
+    asyncio.run(run())
+
+
 def test_a_table_fed_by_several_boards_ranks_all_of_them():
     from tokenflow.serve.routing.board import shard_of
 
@@ -417,7 +449,10 @@ def _app_args(model_path: str) -> dict:
         "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024,
                           "max_num_seqs": 16, "scheduler_cls": "tokenflow.engine.scheduler.TokenFlowScheduler"},
         "tokenflow": {"policy": "tokenflow", "dt": 0.5, "default_rate": 40.0},
-        "router": {"stale_after_s": 1.0},  # as local.yaml: 2 busy cores delay pushes
+        # stale_after_s as local.yaml (2 busy cores delay pushes); as a cluster
+        # at scale would run: each node's engines push through its relay, and
+        # the states are split over two boards (by node) that the ingress follows.
+        "router": {"stale_after_s": 1.0, "node_relay": True, "board_shards": 2},
         "kv_pool": {"size_bytes": 64 * 2**20},
     }
 
@@ -433,6 +468,7 @@ def cluster_app():
     from tokenflow.serve.app import build_app
     from tokenflow.serve.kv_pool import kill_node_pools
     from tokenflow.serve.routing.board import kill_app_actors
+    from tokenflow.serve.routing.relay import kill_relays
 
     if ray.is_initialized():
         pytest.skip("this process is already connected to a Ray cluster")
@@ -471,7 +507,8 @@ def cluster_app():
         try:
             if ray.is_initialized():
                 serve.shutdown()
-                kill_app_actors(APP)
+                kill_app_actors(APP, shards=2)
+                kill_relays(APP)
                 kill_node_pools()
         finally:
             ray.shutdown()
@@ -507,6 +544,14 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     engines = {e["engine_id"]: e for e in before["engines"]}
     assert len(engines) == 2
     assert sorted(e["node_id"] for e in engines.values()) == sorted(cluster_app["nodes"])
+    # Their states came through one relay per engine node, running on that node.
+    from tokenflow.serve.routing.relay import relay_name
+
+    for node in cluster_app["nodes"]:
+        relay = ray.get_actor(relay_name(APP, node), namespace="tokenflow")
+        st = ray.get(relay.stats.remote(), timeout=30)
+        assert st["messages"] > 0 and st["states"] >= st["messages"] and st["running_on"] == node, st
+    assert len(before["state_boards"]) == 2
     # The TokenFlow scheduler's own summary rides along (EngineCore utility).
     assert all((e["scheduler"] or {}).get("policy") == "tokenflow" for e in engines.values()), engines
     # Each engine registered with its own node's pool and got the whole pool.

@@ -150,8 +150,8 @@ class Fleet:
         self.sim = SimEngines(ids, rng)
         self.boards = [board.get_board(app, i, self.s) for i in range(self.s.board_shards)]
         if self.s.node_relay:
-            relays = [Relay(self.s.board_shards, self._send, self.s.relay_interval_s)
-                      for _ in range(0, len(ids), engines_per_node)]
+            relays = [Relay(board.shard_of(f"node-{ids[i]}", self.s.board_shards), self._send,
+                            self.s.relay_interval_s) for i in range(0, len(ids), engines_per_node)]
             self.relays = relays
             self.push_of = [relays[i // engines_per_node].push for i in range(len(ids))]
         else:

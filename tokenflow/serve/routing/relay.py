@@ -28,8 +28,11 @@ logger = logging.getLogger("ray.serve")
 class Relay:
     """The relay's body: send(shard, states) delivers one message to a board."""
 
-    def __init__(self, shards: int, send: Callable[[int, list[dict]], Awaitable[None]], min_gap_s: float = 0.0):
-        self._shards = shards
+    def __init__(self, shard: int, send: Callable[[int, list[dict]], Awaitable[None]], min_gap_s: float = 0.0):
+        # One board per relay: a node's engines all go to the board of its
+        # node (board.shard_of(node id)), so a relay sends one message per
+        # interval however many boards the app has.
+        self._shard = shard
         self._send = send
         self._min_gap_s = min_gap_s
         self._waiting: dict[int, dict[str, dict]] = {}  # board -> engine id -> its latest state
@@ -38,7 +41,7 @@ class Relay:
         self.states = 0
 
     def push(self, state: dict) -> None:
-        shard = shard_of(state["engine_id"], self._shards)
+        shard = self._shard
         self._waiting.setdefault(shard, {})[state["engine_id"]] = state  # a newer state replaces an unsent one
         if shard not in self._busy:
             self._busy.add(shard)
@@ -46,7 +49,7 @@ class Relay:
 
     def discard(self, engine_id: str) -> None:
         """Drop an engine's unsent state (it is leaving the routing)."""
-        self._waiting.get(shard_of(engine_id, self._shards), {}).pop(engine_id, None)
+        self._waiting.get(self._shard, {}).pop(engine_id, None)
 
     async def _drain(self, shard: int) -> None:
         try:
@@ -69,11 +72,12 @@ class Relay:
 class RelayActor:
     """A node's relay as a Ray actor, forwarding to the app's boards."""
 
-    def __init__(self, app_name: str, settings: dict):
+    def __init__(self, app_name: str, node_id: str, settings: dict):
         self._app = app_name
         self._settings = RoutingSettings.from_dict(settings)
         self._boards: dict[int, object] = {}
-        self._relay = Relay(self._settings.board_shards, self._send, self._settings.relay_interval_s)
+        self._shard = shard_of(node_id, self._settings.board_shards)
+        self._relay = Relay(self._shard, self._send, self._settings.relay_interval_s)
 
     async def _board(self, shard: int):
         if shard not in self._boards:
@@ -94,11 +98,12 @@ class RelayActor:
 
     async def forget(self, engine_id: str) -> None:
         self._relay.discard(engine_id)
-        board = await self._board(shard_of(engine_id, self._settings.board_shards))
+        board = await self._board(self._shard)
         await board.forget.remote(engine_id)
 
     async def stats(self) -> dict:
-        return {"messages": self._relay.messages, "states": self._relay.states}
+        return {"messages": self._relay.messages, "states": self._relay.states, "board": self._shard,
+                "running_on": ray.get_runtime_context().get_node_id()}
 
 
 RelayActorRemote = ray.remote(num_cpus=0, max_restarts=-1)(RelayActor)
@@ -115,7 +120,7 @@ def get_relay(app_name: str, node_id: str, settings: RoutingSettings):
     return RelayActorRemote.options(
         name=relay_name(app_name, node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(app_name, settings.to_dict())
+    ).remote(app_name, node_id, settings.to_dict())
 
 
 def kill_relays(app_name: str) -> int:
