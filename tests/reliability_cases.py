@@ -184,6 +184,16 @@ The OpenAI ingress runs one ASGI middleware outside everything else:
   get HTTP 413 before they are parsed; a body not received within
   `admission.body_timeout_s` (30 s) gets 408 and gives its admission slot
   back.
+- **Time limits and keepalives** (generation routes): a stream with nothing
+  sent within `admission.first_token_timeout_s` (600 s), or any request
+  past `admission.request_timeout_s` (3600 s), gets 504 JSON, or, once a
+  stream has begun, an SSE error event `{"error": {"type": "TimeoutError",
+  "code": 504, ...}}` and `[DONE]`; its task is cancelled, which Serve
+  carries to the engine replica, and its slot given back. A stream that has
+  sent nothing for `admission.keepalive_s` (15 s), a paused reader's say,
+  gets an SSE comment line `: keepalive` (clients skip comments). GETs in
+  flight are bounded by `admission.max_ongoing_gets` (64; then 429),
+  `/health` excepted.
 - **Work per request**: `n` times the prompts of a batched completion at
   most `admission.max_n` (16), read as the handlers read them ("5", 5.0,
   JSON escapes); more gets 400. Reading rates outside
@@ -337,8 +347,9 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 | `/health` "ok" whatever the engines' state | 503 when no engine can serve | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive, tests/test_reliability.py::test_front_door_is_wired_with_keys_off |
 | `/v1/tokenflow/engines` open to anyone | behind the keys like every route | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
 | **not done**: a re-send after ActorUnavailableError does not cancel the first attempt | Serve offers no cancel for the abandoned attempt here (its in-flight registry is kept only for direct ingress) | none |
-| **not done**: time limits on the first token and the whole stream | Ray Serve LLM's own limit bounds the time to the first chunk (`RAY_SERVE_LLM_ROUTER_HTTP_TIMEOUT`, 600 s, HTTP 408); no whole-stream limit | none |
-| **not done**: SSE keepalive comments on a parked stream; a bound on GETs | | none |
+| no time limit on the first token or on a whole request | `first_token_timeout_s` (600 s) and `request_timeout_s` (3600 s): 504 JSON, or an SSE error event and `[DONE]` once a stream has begun; the request's task is cancelled (Serve carries that to the engine replica) and its admission slot given back | tests/test_guard.py::test_no_first_token_in_time_gets_504_and_the_work_is_cancelled, tests/test_guard.py::test_a_request_over_its_time_limit_ends_cleanly_and_is_cancelled (the real guard on FastAPI streaming apps; not yet on the live app with short limits) |
+| a paused stream sends nothing for seconds (idle-timeout proxies cut it) | `: keepalive` SSE comment after `keepalive_s` (15 s) of silence; none on a busy stream | tests/test_guard.py::test_a_quiet_stream_gets_keepalive_comments_and_a_busy_one_none |
+| GETs not bounded | `max_ongoing_gets` (64) in flight, then 429; `/health` exempt | tests/test_guard.py::test_gets_in_flight_are_bounded_but_health_is_not |
 
 ## Overload
 

@@ -379,3 +379,118 @@ def test_keys_in_the_app_env_reach_the_ingress():
     assert options["runtime_env"]["env_vars"] == {"TOKENFLOW_API_KEYS": "k1,k2"}
     assert "runtime_env" not in (build_app({"kv_pool": {"enabled": False}})._bound_deployment.ray_actor_options
                                  or {})
+
+
+# --- time limits, keepalives, GETs -----------------------------------------------
+
+def timed_app(events: list) -> FastAPI:
+    """Generation routes that are slow in the ways the limits are for; each
+    records in `events` whether its work was cancelled."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if "sleep" in body:  # slow before any response: a whole answer, or a stream yet to begin
+            try:
+                await asyncio.sleep(body["sleep"])
+            except asyncio.CancelledError:
+                events.append("whole cancelled" if not body.get("stream") else "unstarted stream cancelled")
+                raise
+            if not body.get("stream"):
+                return {"text": "done"}
+
+        async def gen():
+            try:
+                await asyncio.sleep(body.get("before_first", 0))  # parked before its first token
+                for i in range(body.get("events", 3)):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(body.get("gap", 0))  # a paused reader: nothing to send
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                events.append("stream cancelled")
+                raise
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.get("/v1/slow")
+    async def slow():
+        await asyncio.sleep(0.3)
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+def test_no_first_token_in_time_gets_504_and_the_work_is_cancelled():
+    async def scenario():
+        events = []
+        asgi = TokenFlowGuard(timed_app(events), admission={"first_token_timeout_s": 0.3}, environ={})
+        # No response yet (as Serve LLM's ingress holds it until the first chunk): a 504 JSON error.
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "sleep": 5})
+        assert_openai_error(r, 504, "TimeoutError")
+        assert "No token within 0.3 s" in r.text
+        # Its headers out but no token: the error as an SSE event, then [DONE].
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "before_first": 5})
+        parts = [p for p in r.text.split("\n\n") if p]
+        assert r.status_code == 200 and len(parts) == 2 and parts[-1] == "data: [DONE]", parts
+        assert json.loads(parts[0][6:])["error"]["type"] == "TimeoutError"
+        assert events == ["unstarted stream cancelled", "stream cancelled"] and asgi.ongoing == 0
+        # A whole (non-streaming) answer is not held to the first-token limit.
+        r = await call(asgi, "POST", "/v1/completions", json={"sleep": 0.6})
+        assert r.status_code == 200 and r.json() == {"text": "done"}
+    run(scenario())
+
+
+def test_a_request_over_its_time_limit_ends_cleanly_and_is_cancelled():
+    async def scenario():
+        events = []
+        asgi = TokenFlowGuard(timed_app(events), admission={"request_timeout_s": 0.5}, environ={})
+        # A stream that has begun: what it sent, then the error event and [DONE].
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "events": 50, "gap": 0.1})
+        parts = [p for p in r.text.split("\n\n") if p]
+        assert r.status_code == 200 and parts[0] == "data: 0" and 2 <= len(parts) - 2 < 50, parts
+        assert json.loads(parts[-2][6:])["error"] == {
+            "message": "The request took longer than 0.5 s; the request was cancelled", "type": "TimeoutError",
+            "code": 504}
+        assert parts[-1] == "data: [DONE]"
+        # A whole answer: 504 JSON.
+        r = await call(asgi, "POST", "/v1/completions", json={"sleep": 5})
+        assert_openai_error(r, 504, "TimeoutError")
+        assert events == ["stream cancelled", "whole cancelled"] and asgi.ongoing == 0
+        # Within the limit, untouched.
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "events": 2})
+        assert r.text == "data: 0\n\ndata: 1\n\ndata: [DONE]\n\n"
+    run(scenario())
+
+
+def test_a_quiet_stream_gets_keepalive_comments_and_a_busy_one_none():
+    async def scenario():
+        events = []
+        asgi = TokenFlowGuard(timed_app(events), admission={"keepalive_s": 0.1}, environ={})
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "events": 2, "gap": 0.45})
+        parts = [p for p in r.text.split("\n\n") if p]
+        assert parts[0] == "data: 0" and parts[-1] == "data: [DONE]"
+        between = parts[1:parts.index("data: 1")]
+        assert 2 <= len(between) <= 5 and set(between) == {": keepalive"}, parts  # comments: clients skip them
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "events": 3})
+        assert ": keepalive" not in r.text and events == []
+    run(scenario())
+
+
+def test_gets_in_flight_are_bounded_but_health_is_not():
+    async def scenario():
+        asgi = TokenFlowGuard(timed_app([]), admission={"max_ongoing_gets": 2}, environ={})
+        slow = [asyncio.create_task(call(asgi, "GET", "/v1/slow")) for _ in range(2)]
+        for _ in range(1000):
+            if asgi.ongoing_gets == 2:
+                break
+            await asyncio.sleep(0.001)
+        over = await call(asgi, "GET", "/v1/slow")
+        assert_openai_error(over, 429, "RateLimitError")
+        assert (await call(asgi, "GET", "/health")).status_code == 200
+        assert [r.status_code for r in await asyncio.gather(*slow)] == [200, 200]
+        assert asgi.ongoing_gets == 0 and (await call(asgi, "GET", "/v1/slow")).status_code == 200
+    run(scenario())

@@ -27,6 +27,10 @@ Retry-After), a body size limit (413), a time limit on receiving the body
 sequences one generation request asks for, `n` times the prompts of a
 batched completion (400; vLLM itself accepts any n, one sequence each).
 `n` is read as the OpenAI handlers will read it (JSON escapes, "5", 5.0).
+Generation requests run under time limits (first token, whole request:
+504, or an SSE error event and [DONE] once a stream has begun; the work is
+cancelled) and a quiet stream gets SSE keepalive comments (TimedRequest).
+GETs in flight are bounded too (429), /health excepted.
 A POST whose Content-Type is neither JSON nor a form gets HTTP 415
 (FastAPI would otherwise hand the handler bytes and answer 500).
 Ray Serve's own `max_queued_requests` on the engine deployment makes the
@@ -74,6 +78,21 @@ class AdmissionSettings(Settings):
                                          "prompts of a batched completion; more gets 400.")
     body_timeout_s: Positive = Field(30.0, description="Time to receive a request's whole body; a slower sender "
                                                        "gets 408 and gives its admission slot back.")
+    first_token_timeout_s: Positive | None = Field(600.0, description="A streaming generation request with nothing "
+                                                                     "sent within this time (s) is ended with 504 "
+                                                                     "and its engine request cancelled; null: no "
+                                                                     "limit.")
+    request_timeout_s: Positive | None = Field(3600.0, description="Longest a generation request may take in all "
+                                                                   "(s), a stream included: then 504, or an SSE "
+                                                                   "error event and [DONE] once the stream has "
+                                                                   "begun; its engine request is cancelled. null: "
+                                                                   "no limit.")
+    keepalive_s: Positive | None = Field(15.0, description="A stream that has sent nothing for this long (s), "
+                                                           "a paused reader's say, gets an SSE comment line "
+                                                           "(': keepalive'), so idle-timeout proxies keep it "
+                                                           "open; null: never.")
+    max_ongoing_gets: Count | None = Field(64, description="GETs in flight per ingress replica (all but "
+                                                           "/health); beyond it: 429. null: no bound.")
     max_resends: Amount = Field(2, description="Re-sends of a request whose engine replica died before its first "
                                                "token (tokenflow/serve/failover.py).")
 
@@ -185,6 +204,7 @@ class TokenFlowGuard:
         elif self.key_error:
             logger.error("TokenFlow guard: %s; every request but /health gets 401", self.key_error)
         self.ongoing = 0
+        self.ongoing_gets = 0
         retry = str(max(1, math.ceil(self.settings.retry_after_s))).encode()
         self._retry_header = (b"retry-after", retry)
 
@@ -225,7 +245,7 @@ class TokenFlowGuard:
             return await send_error(send, 401, msg, "AuthenticationError",
                                     [(b"www-authenticate", b"Bearer")])
         if scope.get("method") != "POST":
-            return await self.app(scope, receive, send)
+            return await self._bounded_get(scope, receive, send)
 
         limit = self.settings.max_body_bytes
         for name, value in scope.get("headers") or ():
@@ -260,20 +280,43 @@ class TokenFlowGuard:
                                                    f"{self.settings.body_timeout_s:g} s", "RequestTimeoutError")
             if body is None:  # client went away while sending
                 return
-            if (problem := self._check_n(path, body)) is not None:
+            doc = self._generation_doc(path, body)
+            if (problem := self._check_n(path, doc)) is not None:
                 return await send_error(send, 400, problem, "BadRequestError")
-            return await self.app(scope, self._replay(body, receive), self._backpressure_to_429(send))
+            receive, send = self._replay(body, receive), self._backpressure_to_429(send)
+            if doc is None:
+                return await self.app(scope, receive, send)
+            return await TimedRequest(self.settings, send, streaming=doc.get("stream") is True).run(
+                self.app, scope, receive)
         finally:
             self.ongoing -= 1
 
-    def _check_n(self, path: str, body: bytes) -> Optional[str]:
+    async def _bounded_get(self, scope, receive, send):
+        cap = self.settings.max_ongoing_gets
+        if cap is not None and self.ongoing_gets >= cap:
+            return await send_error(
+                send, 429, f"Server overloaded: {self.ongoing_gets} GETs in flight (limit {cap}); retry later",
+                "RateLimitError", [self._retry_header])
+        self.ongoing_gets += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.ongoing_gets -= 1
+
+    @staticmethod
+    def _generation_doc(path: str, body: bytes) -> Optional[dict]:
+        """A generation request's JSON body; None for other routes and for
+        bodies the handlers will refuse with their own 400."""
         if path not in GENERATION_PATHS:
             return None
         try:
             doc = json.loads(body)
         except ValueError:
-            return None  # not JSON: the handlers answer with their own 400
-        if not isinstance(doc, dict):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _check_n(self, path: str, doc: Optional[dict]) -> Optional[str]:
+        if doc is None:
             return None
         count = sequences(path, doc)
         if count > self.settings.max_n:
@@ -328,6 +371,105 @@ class TokenFlowGuard:
                 await send(start)
             await send(message)
         return wrapped
+
+
+class TimedRequest:
+    """One generation request under the time limits and keepalives of
+    AdmissionSettings. The app runs in the caller's task; a watchdog task
+    wakes only when something falls due (a keepalive, a limit), so a busy
+    stream costs it a wake-up per keepalive_s, not per chunk. On a limit
+    the app's task is cancelled, which Serve carries to the engine replica
+    (the engine request is aborted), and the client gets 504, or, once an
+    SSE stream has begun, an error event and [DONE]."""
+
+    def __init__(self, settings: AdmissionSettings, send, streaming: bool):
+        self.s = settings
+        self._send = send
+        self.streaming = streaming
+        self._lock = asyncio.Lock()  # the app's sends and the watchdog's never interleave
+        self.started = self.sse = self.sent_data = self.done = False
+        self.last_send = self.t0 = asyncio.get_running_loop().time()
+        self.fired: Optional[str] = None  # which limit ended the request
+
+    async def send(self, message) -> None:
+        async with self._lock:
+            if self.done:
+                return  # ended by a limit: the app's late sends go nowhere
+            if message["type"] == "http.response.start":
+                self.started = True
+                self.sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                               for k, v in message.get("headers") or ())
+            elif message["type"] == "http.response.body":
+                self.sent_data = self.sent_data or bool(message.get("body"))
+                self.done = not message.get("more_body", False)
+            self.last_send = asyncio.get_running_loop().time()
+            await self._send(message)
+
+    def _next_due(self) -> tuple[float, Optional[str]]:
+        """(when, what): the next limit or keepalive to look at."""
+        due = [(float("inf"), None)]
+        if self.s.request_timeout_s is not None:
+            due.append((self.t0 + self.s.request_timeout_s, "request"))
+        if self.streaming and not self.sent_data and self.s.first_token_timeout_s is not None:
+            due.append((self.t0 + self.s.first_token_timeout_s, "first token"))
+        if self.sse and self.s.keepalive_s is not None:
+            due.append((self.last_send + self.s.keepalive_s, "keepalive"))
+        elif self.s.keepalive_s is not None and not self.started:
+            due.append((asyncio.get_running_loop().time() + self.s.keepalive_s, "check"))  # look again later
+        return min(due, key=lambda d: d[0])
+
+    async def _watch(self, task: asyncio.Task) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.done:
+            when, what = self._next_due()
+            if what is None:
+                return
+            await asyncio.sleep(max(0.0, when - loop.time()))
+            when, what = self._next_due()  # again: a token or a send may have come meanwhile
+            if self.done or what is None or loop.time() < when - 1e-3:
+                continue
+            if what in ("request", "first token"):
+                self.fired = what
+                task.cancel()
+                return
+            if what == "keepalive" and loop.time() - self.last_send >= self.s.keepalive_s:
+                await self.send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+
+    async def run(self, app, scope, receive) -> None:
+        task = asyncio.current_task()
+        watchdog = asyncio.get_running_loop().create_task(self._watch(task))
+        try:
+            await app(scope, receive, self.send)
+        except asyncio.CancelledError:
+            if self.fired is None:
+                raise  # not ours: the client went away, or the server stops
+            task.uncancel()
+        finally:
+            watchdog.cancel()
+        if self.fired is not None:
+            await self._end()  # also when the app took the cancel and returned
+
+    async def _end(self) -> None:
+        limit = (self.s.first_token_timeout_s if self.fired == "first token" else self.s.request_timeout_s)
+        message = f"No token within {limit:g} s" if self.fired == "first token" else \
+            f"The request took longer than {limit:g} s"
+        message += "; the request was cancelled"
+        async with self._lock:
+            if self.done:
+                return
+            self.done = True
+            if not self.started:
+                body = error_body(message, "TimeoutError", 504)
+                await self._send({"type": "http.response.start", "status": 504,
+                                  "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(body)).encode())]})
+                await self._send({"type": "http.response.body", "body": body})
+            elif self.sse:
+                event = json.dumps({"error": {"message": message, "type": "TimeoutError", "code": 504}})
+                await self._send({"type": "http.response.body",
+                                  "body": f"data: {event}\n\ndata: [DONE]\n\n".encode()})
+            else:
+                await self._send({"type": "http.response.body", "body": b""})
 
 
 def install(app, admission: Optional[dict] = None) -> None:
