@@ -376,3 +376,54 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
 
     # Serve's health check replaces the replica; later tests get two engines again.
     _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
+
+
+def test_a_resend_cancels_the_attempt_it_abandons():
+    """The ingress's wiring (Attempts, RecordingHandle) around a stand-in for
+    Serve's handle, whose responses remember whether they were cancelled: an
+    unreachable replica may still be running the first attempt."""
+    from tokenflow.serve.ingress import Attempts, RecordingHandle
+
+    class Response:  # what handle.<method>.remote() returns: an async stream of items
+        def __init__(self, script):
+            self.script, self.cancelled = script, False
+
+        def cancel(self):
+            self.cancelled = True
+
+        async def __aiter__(self):
+            for item in self.script:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+    class Handle:  # a Serve handle: options() and `.completions` give handles too
+        def __init__(self, scripts, made):
+            self.scripts, self.made = scripts, made
+
+        def options(self, **kwargs):
+            return self
+
+        @property
+        def completions(self):
+            return self
+
+        def remote(self, *args):
+            self.made.append(Response(self.scripts[len(self.made)]))
+            return self.made[-1]
+
+    made = []
+    handle = RecordingHandle(Handle([[ActorUnavailableError("unreachable", None)], [sse("a"), sse("b")]], made))
+    attempts = Attempts()
+
+    async def serve_llm_get_response():  # as Serve LLM's ingress calls the handle
+        async for item in handle.options(stream=True).completions.remote("body"):
+            yield item
+
+    async def collect():
+        stream = resend_until_first_token(lambda: attempts.open(serve_llm_get_response), 2, None, 0.0,
+                                          attempts.abandon)
+        return [x async for x in stream]
+
+    assert asyncio.run(collect()) == [sse("a"), sse("b")]
+    assert [r.cancelled for r in made] == [True, False]  # the abandoned one only

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from ray import exceptions as ray_exceptions
 
@@ -90,12 +90,15 @@ OUTCOMES = ("resent", "ended_mid_stream", "gave_up")
 
 async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], resends: int,
                                    on_lost: Callable[[str], None] | None = None,
-                                   resend_after_s: float = 0.0) -> AsyncIterator:
+                                   resend_after_s: float = 0.0,
+                                   abandon: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator:
     """Yield the items of open_stream(); re-open it (at most `resends` times)
     when the replica is lost before any token went out, `resend_after_s`
     later (time for the routing to hear of the loss: re-sent at once, a
     request can go straight back to an engine that has just lost its core).
-    on_lost hears each loss as one of OUTCOMES."""
+    on_lost hears each loss as one of OUTCOMES; abandon() is awaited before
+    each re-send, to cancel what the lost attempt may still be doing (an
+    unreachable replica is not always a dead one)."""
     for attempt in range(resends + 1):
         held: list = []
         flowing = False
@@ -132,6 +135,8 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
                                            f"{resends} re-sends failed too; retry later")
                 return
+            if abandon is not None:
+                await abandon()
             if resend_after_s > 0:
                 await asyncio.sleep(resend_after_s)
 

@@ -6,6 +6,7 @@ GET /v1/tokenflow/engines (what the slack routing sees).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from typing import Optional
 
@@ -32,6 +33,57 @@ TOKENFLOW_ENDPOINTS = {
 # (/health): far above the push interval, so that a busy moment of the host
 # does not flap the health check.
 HEALTH_STATE_AGE_S = 5.0
+
+
+# The engine calls of the current request's attempt (failover.py): a
+# context variable, since Serve LLM's ingress makes the call inside its own
+# _get_response and keeps the response object to itself.
+ATTEMPT: contextvars.ContextVar[list | None] = contextvars.ContextVar("tokenflow_attempt", default=None)
+
+
+class RecordingHandle:
+    """A Serve handle that also records each call it makes in ATTEMPT, so
+    that a re-send can cancel the attempt it abandons. Everything else goes
+    to the wrapped handle (`.options(...)`, `.chat`, ... return wrappers too)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def options(self, **kwargs) -> "RecordingHandle":
+        return RecordingHandle(self._handle.options(**kwargs))
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._handle, name)  # `.chat` etc. are handles for that method
+        return RecordingHandle(attr) if hasattr(attr, "remote") and hasattr(attr, "options") else attr
+
+    def remote(self, *args, **kwargs):
+        response = self._handle.remote(*args, **kwargs)
+        attempt = ATTEMPT.get()
+        if attempt is not None:
+            attempt.append(response)
+        return response
+
+
+class Attempts:
+    """One request's attempts (failover.py): open() starts one, recording
+    its engine calls; abandon() cancels them before a re-send."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def open(self, start):
+        self.calls = []
+        ATTEMPT.set(self.calls)  # RecordingHandle adds this attempt's engine call
+        return start()
+
+    async def abandon(self) -> None:
+        # Best effort, and off the event loop: Serve's cancel may wait for
+        # the router's loop to hand over the replica's result.
+        for response in self.calls:
+            try:
+                await asyncio.to_thread(response.cancel)
+            except Exception as e:
+                logger.info(f"TokenFlow ingress: cancelling an abandoned attempt failed: {e!r}")
 
 
 class TokenFlowIngress(OpenAiIngress):
@@ -61,19 +113,24 @@ class TokenFlowIngress(OpenAiIngress):
         except Exception as e:  # only a head start; requests work without it
             logger.info(f"TokenFlow ingress: router warm-up call failed: {e!r}")
 
+    def _get_configured_serve_handle(self, model_id: str):
+        return RecordingHandle(super()._get_configured_serve_handle(model_id))
+
     async def _get_response(self, *, body, call_method: str, raw_request=None):
         # A replica that dies under a request: re-send it if no token went
         # out yet, else end the stream with an error event (failover.py).
+        attempts = Attempts()
+
         def open_stream():
-            return super(TokenFlowIngress, self)._get_response(
-                body=body, call_method=call_method, raw_request=raw_request)
+            return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
+                body=body, call_method=call_method, raw_request=raw_request))
 
         # A lost engine leaves the slack routing within a push and a long
         # poll; a re-send waits that long so it goes elsewhere.
         settle = (self._tf_settings.push_interval_s + self._tf_settings.refresh_interval_s
                   if self._tf_settings.enabled else 0.0)
         async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost,
-                                                            settle):
+                                                            settle, attempts.abandon):
             yield item
 
     def _tf_on_lost(self, outcome: str) -> None:
