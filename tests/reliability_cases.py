@@ -87,6 +87,14 @@ CASES = [
          status=400, message='Message: consumption_rate must be a number (tokens/s) (Request ID: <id>)'),
     dict(name="consumption_rate twice, different", path=COMP,
          body=comp(consumption_rate=10, vllm_xargs={"consumption_rate": 20}), status=400, message='Message: consumption_rate given twice with different values (10 and vllm_xargs 20) (Request ID: <id>)'),
+    dict(name="JSON nested 100 levels deep", path=CHAT,
+         raw=b'{"model": "MODEL", "messages": ' + b"[" * 99 + b"]" * 99 + b"}", status=400,
+         message="JSON nested deeper than 64 levels"),
+    dict(name="JSON nested 100,000 levels deep", path=COMP,
+         raw=b'{"model": "MODEL", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", status=400,
+         message="JSON nested deeper than 64 levels"),
+    dict(name="n 16 x max_tokens 20000 (over max_request_tokens)", path=COMP, body=comp(n=16, max_tokens=20000),
+         status=400, message="sequences x max_tokens must be at most 262144 tokens, got 16 x 20000 = 320000"),
 ]
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -196,7 +204,10 @@ The OpenAI ingress runs one ASGI middleware outside everything else:
   `/health` excepted.
 - **Work per request**: `n` times the prompts of a batched completion at
   most `admission.max_n` (16), read as the handlers read them ("5", 5.0,
-  JSON escapes); more gets 400. Reading rates outside
+  JSON escapes); more gets 400; so do more than
+  `admission.max_request_tokens` (262,144) tokens asked in all (sequences
+  x `max_tokens`, or a chat's `max_completion_tokens`), and JSON nested
+  deeper than `admission.max_json_depth` (64). Reading rates outside
   `tokenflow.min_rate`..`tokenflow.max_rate` get 400.
 - **`GET /health`**: 200 `{"status": "ok", "engines": N}` while some engine
   can serve (its state reached the ingress's slack router in the last 5 s;
@@ -334,6 +345,7 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 | `make serve` with API keys never came up | readiness probes send a key from the same variables | tests/test_guard.py::test_readiness_probe_passes_the_guard_when_keys_are_on |
 | routes outside `/v1/`, other root_path | every route but `/health` guarded | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
 | `n` as "1000", 1000.0, escaped key; prompt lists | 400 past `max_n` sequences | rows 30-32 above (tests/test_reliability.py), tests/test_guard.py::test_n_over_max_gets_400_on_generation_routes_only |
+| total tokens one request asks for unbounded; deeply nested JSON | 400 past `max_request_tokens` (sequences x max_tokens, 262,144) or `max_json_depth` (64 levels; a depth that would overflow the parser too) | rows 44-46 above (tests/test_reliability.py), tests/test_guard.py::test_total_tokens_and_json_depth_are_bounded |
 | slow bodies holding admission slots | 408 after `body_timeout_s`, slot back | tests/test_guard.py::test_slow_body_gets_408_and_frees_its_slot |
 | reading rate 1e-9 or 100,000 tokens/s | 400 outside `min_rate`..`max_rate` | rows 40-41 above (tests/test_reliability.py) |
 | EngineCore death, replica alive | re-sent / 503 event; out of routing at once | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive |

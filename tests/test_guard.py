@@ -494,3 +494,24 @@ def test_gets_in_flight_are_bounded_but_health_is_not():
         assert [r.status_code for r in await asyncio.gather(*slow)] == [200, 200]
         assert asgi.ongoing_gets == 0 and (await call(asgi, "GET", "/v1/slow")).status_code == 200
     run(scenario())
+
+
+def test_total_tokens_and_json_depth_are_bounded():
+    async def scenario():
+        asgi = TokenFlowGuard(make_app(), admission={"max_request_tokens": 300, "max_json_depth": 8}, environ={})
+        for path, body in (("/v1/completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 100}),
+                           ("/v1/chat/completions", {"messages": [], "n": 4, "max_completion_tokens": "80"})):
+            r = await call(asgi, "POST", path, json=body)
+            assert_openai_error(r, 400, "BadRequestError")
+            assert "must be at most 300 tokens" in r.json()["error"]["message"]
+        ok = await call(asgi, "POST", "/v1/completions", json={"prompt": "a", "n": 3, "max_tokens": 100})
+        assert ok.status_code == 200
+        for depth in (9, 100_000):  # past the limit; past what a recursive parser survives
+            raw = b'{"prompt": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+            r = await call(asgi, "POST", "/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert_openai_error(r, 400, "BadRequestError")
+            assert r.json()["error"]["message"] == "JSON nested deeper than 8 levels"
+        raw = b'{"prompt": ' + b"[" * 7 + b"]" * 7 + b"}"  # 8 levels: fine
+        r = await call(asgi, "POST", "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and asgi.ongoing == 0
+    run(scenario())

@@ -78,6 +78,12 @@ class AdmissionSettings(Settings):
                                          "prompts of a batched completion; more gets 400.")
     body_timeout_s: Positive = Field(30.0, description="Time to receive a request's whole body; a slower sender "
                                                        "gets 408 and gives its admission slot back.")
+    max_request_tokens: Count | None = Field(262144, description="Most tokens one generation request may ask "
+                                                                 "for: sequences (n x prompts) x max_tokens "
+                                                                 "(chat: max_completion_tokens if given); more gets "
+                                                                 "400. null: no bound.")
+    max_json_depth: Count = Field(64, description="Deepest nesting of arrays and objects in a JSON body; deeper "
+                                                  "gets 400.")
     first_token_timeout_s: Positive | None = Field(600.0, description="A streaming generation request with nothing "
                                                                      "sent within this time (s) is ended with 504 "
                                                                      "and its engine request cancelled; null: no "
@@ -170,6 +176,23 @@ def as_count(value) -> Optional[int]:
     return None
 
 
+def nested_deeper(doc, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels (the top one is 1)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def sequences(path: str, body: dict) -> int:
     """How many sequences a generation request makes the engine run."""
     n = as_count(body.get("n", 1))
@@ -248,6 +271,7 @@ class TokenFlowGuard:
             return await self._bounded_get(scope, receive, send)
 
         limit = self.settings.max_body_bytes
+        ctype = ""
         for name, value in scope.get("headers") or ():
             if name == b"content-type":
                 ctype = value.decode("latin-1").split(";")[0].strip().lower()
@@ -280,8 +304,10 @@ class TokenFlowGuard:
                                                    f"{self.settings.body_timeout_s:g} s", "RequestTimeoutError")
             if body is None:  # client went away while sending
                 return
-            doc = self._generation_doc(path, body)
-            if (problem := self._check_n(path, doc)) is not None:
+            doc, problem = self._parse(path, body, ctype)
+            if problem is None:
+                problem = self._check_work(path, doc)
+            if problem is not None:
                 return await send_error(send, 400, problem, "BadRequestError")
             receive, send = self._replay(body, receive), self._backpressure_to_429(send)
             if doc is None:
@@ -303,24 +329,34 @@ class TokenFlowGuard:
         finally:
             self.ongoing_gets -= 1
 
-    @staticmethod
-    def _generation_doc(path: str, body: bytes) -> Optional[dict]:
-        """A generation request's JSON body; None for other routes and for
-        bodies the handlers will refuse with their own 400."""
-        if path not in GENERATION_PATHS:
-            return None
+    def _parse(self, path: str, body: bytes, ctype: str) -> tuple[Optional[dict], Optional[str]]:
+        """(a generation request's JSON body or None, a problem worth a 400 or
+        None). Bodies that are not JSON are left to the handlers' own 400."""
+        if ctype not in ("", "application/json") and not ctype.endswith("+json"):
+            return None, None  # a form (transcriptions)
         try:
             doc = json.loads(body)
+        except RecursionError:
+            return None, f"JSON nested deeper than {self.settings.max_json_depth} levels"
         except ValueError:
-            return None
-        return doc if isinstance(doc, dict) else None
+            return None, None
+        if nested_deeper(doc, self.settings.max_json_depth):
+            return None, f"JSON nested deeper than {self.settings.max_json_depth} levels"
+        return (doc if path in GENERATION_PATHS and isinstance(doc, dict) else None), None
 
-    def _check_n(self, path: str, doc: Optional[dict]) -> Optional[str]:
+    def _check_work(self, path: str, doc: Optional[dict]) -> Optional[str]:
+        """The engine work one generation request asks for: sequences, tokens."""
         if doc is None:
             return None
         count = sequences(path, doc)
         if count > self.settings.max_n:
             return f"n x prompts must be at most {self.settings.max_n}, got {count}"
+        cap = self.settings.max_request_tokens
+        per_sequence = as_count(doc.get("max_completion_tokens") if path == "/v1/chat/completions"
+                                and doc.get("max_completion_tokens") is not None else doc.get("max_tokens"))
+        if cap is not None and per_sequence is not None and count * per_sequence > cap:
+            return (f"sequences x max_tokens must be at most {cap} tokens, got {count} x {per_sequence} = "
+                    f"{count * per_sequence}")
         return None
 
     @staticmethod
