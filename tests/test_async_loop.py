@@ -280,3 +280,22 @@ def test_light_load_costs_nothing(async_scheduling):
     assert loop.tokens == stock.tokens
     s = loop.scheduler.tf_stats
     assert s.pauses_hold == s.pauses_release == s.decisions == 0
+
+
+def test_decision_trace_records_who_ranked_where(tmp_path, monkeypatch):
+    """TOKENFLOW_TRACE_DIR: one line per decision, every request the policy
+    saw with its rank key, and what was decided (tokenflow/engine/trace.py)."""
+    import json
+
+    monkeypatch.setenv("TOKENFLOW_TRACE_DIR", str(tmp_path))
+    loop = run_burst(make_loop(TF_ASYNC, FAST), BURST)
+    loop.scheduler._trace.close()
+    [path] = tmp_path.glob("decisions-*.jsonl")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    decided = [x for x in lines if x["decided"]]
+    assert len(decided) == loop.scheduler.tf_stats.decisions > 0
+    assert sum(len(x["pause_hold"]) + len(x["pause_release"]) for x in decided) >= \
+        loop.scheduler.tf_stats.pauses_hold + loop.scheduler.tf_stats.pauses_release
+    seen = {row[0] for x in lines for row in x["requests"]}
+    assert {f"r{i}" for i in range(BURST.requests)} <= seen  # every request of the burst was ranked
+    assert all(row[7] in (0, 1, 2) for x in lines for row in x["requests"])  # a tier each

@@ -46,6 +46,7 @@ from tokenflow.core.meters import EngineMeters
 from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
 from tokenflow.core.sched_state import SchedulerState, SchedulerStats
 from tokenflow.engine import core_utility  # noqa: F401  (the replica's way in: an EngineCore utility)
+from tokenflow.engine.trace import DecisionTrace
 from tokenflow.kv_offload.tier import host_tier_of
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ class TokenFlowMixin:
         self.host_tier = host_tier_of(self.connector)
         if self.host_tier is not None:
             self.host_tier.prioritise_stores(self._buffer_seconds_of)
-        logger.info("TokenFlow scheduler: %s", self.tf_config)
+        self._trace = DecisionTrace.from_env()  # None unless TOKENFLOW_TRACE_DIR is set
+        logger.info("TokenFlow scheduler: %s%s", self.tf_config,
+                    f"; tracing decisions to {self._trace.path}" if self._trace else "")
 
     # --- vLLM hooks -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -270,6 +273,8 @@ class TokenFlowMixin:
         t1 = time.perf_counter()
         decision = self.policy.decide(views, eng)
         self.tf_stats.decision_seconds += time.perf_counter() - t1
+        if self._trace is not None:
+            self._trace.record(now, views, eng, decision, self.policy)
         if decision is not None:
             self.tf_stats.decisions += 1
             self.tf_stats.fallbacks += decision.fallback_fcfs
