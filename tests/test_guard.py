@@ -515,3 +515,13 @@ def test_total_tokens_and_json_depth_are_bounded():
         r = await call(asgi, "POST", "/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 200 and asgi.ongoing == 0
     run(scenario())
+
+
+def test_with_every_time_limit_off_a_request_runs_as_is():
+    async def scenario():
+        events = []
+        off = {"first_token_timeout_s": None, "request_timeout_s": None, "keepalive_s": None}
+        asgi = TokenFlowGuard(timed_app(events), admission=off, environ={})
+        r = await call(asgi, "POST", "/v1/completions", json={"stream": True, "events": 2, "gap": 0.3})
+        assert r.text == "data: 0\n\ndata: 1\n\ndata: [DONE]\n\n" and events == []
+    run(scenario())

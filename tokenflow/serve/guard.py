@@ -228,6 +228,8 @@ class TokenFlowGuard:
             logger.error("TokenFlow guard: %s; every request but /health gets 401", self.key_error)
         self.ongoing = 0
         self.ongoing_gets = 0
+        st = self.settings
+        self._timed = any(x is not None for x in (st.first_token_timeout_s, st.request_timeout_s, st.keepalive_s))
         retry = str(max(1, math.ceil(self.settings.retry_after_s))).encode()
         self._retry_header = (b"retry-after", retry)
 
@@ -310,7 +312,7 @@ class TokenFlowGuard:
             if problem is not None:
                 return await send_error(send, 400, problem, "BadRequestError")
             receive, send = self._replay(body, receive), self._backpressure_to_429(send)
-            if doc is None:
+            if doc is None or not self._timed:
                 return await self.app(scope, receive, send)
             return await TimedRequest(self.settings, send, streaming=doc.get("stream") is True).run(
                 self.app, scope, receive)
