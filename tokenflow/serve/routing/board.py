@@ -13,8 +13,9 @@ ingress that asks creates it (get_if_exists) and every other one finds it.
 that `serve run` started goes away with it anyway).
 
 At scale (docs/SCALING.md) two things keep it bounded: an app may split
-its engines among `board_shards` boards (by a hash of the engine id; each
-ingress follows all of them), so no one actor takes every push; and a
+its engines among `board_shards` boards (by a hash of the engine's id, or
+of its node's with node relays; each ingress follows all of them), so no
+one actor takes every push; and a
 long poll answers with the board's head, the engines with the most slack
 (`head_size` over all boards; all of them when there are fewer), in routing
 fields only, so what an ingress reads and ranks per request does not grow
