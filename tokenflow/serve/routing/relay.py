@@ -8,6 +8,10 @@ it has been idle, then at most one message per `relay_interval_s` and
 never two in flight to one board. A node's engines thus cost a board one
 message per interval however many they are, a state waits at most that
 interval, and when a board is slow the messages grow instead of its queue.
+
+Like the boards, relays are detached named actors (one per app and node,
+created by the first engine there): they go with the Ray cluster, or with
+`kill_relays(app)`; a redeploy finds and reuses them.
 """
 
 from __future__ import annotations
