@@ -187,7 +187,8 @@ def reference_key(cfg, r, eng):
         resume_level = cfg.mu * (n * load + step + cfg.dt)
         if not r.num_output or b / rate < resume_level + cfg.dt + swap_s:
             return KEEP_RUNNING, b / rate
-        bonus = swap_s * (eng.decode_tps or step_rate)
+        # the batch work the swap adds: a recompute without a host tier
+        bonus = (0.0 if eng.transfer_tps else n * load) * (eng.decode_tps or step_rate)
     elif r.phase is Phase.PAUSED:
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):

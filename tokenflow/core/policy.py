@@ -28,7 +28,9 @@ Steps, as in the paper:
     value of *running* adds it instead. A running request's U also counts
     the tokens the engine loses to swapping it out and back (the swap's
     extra work holds up the whole batch), so two requests swap only when
-    that gains more than it costs. Highest U runs while KV blocks and sequence
+    that gains more than it costs (the batch work the swap adds: the
+    recompute of its context when there is no host tier; a pause itself
+    costs the batch no step). Highest U runs while KV blocks and sequence
     slots last; of the rest, the largest buffers (in seconds) release KV
     first.
  6. Resume mode: reload from host when its I/O time is below the prefill
@@ -294,6 +296,7 @@ class TokenFlowPolicy:
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
         step, load, swap = lv.step_s, lv.load_per_token, lv.swap_per_token
+        batch_load = 0.0 if eng.transfer_tps else load  # s of batch work per context token a swap adds
         speed_dt = lv.step_rate * dt
         # A swap's extra work holds up the whole batch, so it costs the
         # engine's tokens/s, not one request's.
@@ -310,7 +313,14 @@ class TokenFlowPolicy:
                 if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
                     keep.append((b / rate, r))
                     continue
-                bonus = swap_s * capacity  # tokens the engine loses to the swap
+                # The tokens the batch loses to this swap: its extra work,
+                # the recompute of the context when there is no host tier.
+                # A pause itself costs the batch no step (the others keep
+                # decoding), a held pause keeps its KV, and the host tier
+                # writes and reloads beside the batch (docs/BENCHMARKS.md,
+                # "The slow-reader waves, traced": a whole step charged at
+                # the engine's capacity kept newcomers out for seconds).
+                bonus = batch_load * n * capacity
             elif phase is paused:
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
