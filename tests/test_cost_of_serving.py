@@ -21,9 +21,10 @@ import pytest
 # target is 1.1x, not met yet). On 2026-12-01 the same bench gave 1.15x to
 # 1.52x on an idle machine while our layers' own CPU per token stayed
 # within 0.52-0.58 s per 1,000 tokens (stock's side moved), and this test
-# measured 1.64x in one clean-clone run: the bound is 1.8x, which still
-# catches a per-token parse or metric call coming back (those doubled our
-# ingress and replica share), not a drift of a few tenths.
+# measured 1.64x in one clean-clone run: the bound is 1.8x. That catches
+# only a gross regression; session 8's per-token costs (1.53x in the
+# default bench) would pass it, so the bench, not this check, is where the
+# cost is judged.
 MAX_OWN_CPU_RATIO = 1.8
 
 
