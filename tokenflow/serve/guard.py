@@ -52,6 +52,7 @@ from typing import Iterable, Optional
 from pydantic import Field
 
 from tokenflow.core.settings import Amount, Count, Positive, Settings
+from tokenflow.serve.failover import lost_event
 
 logger = logging.getLogger("ray.serve")
 
@@ -336,14 +337,15 @@ class TokenFlowGuard:
         None). Bodies that are not JSON are left to the handlers' own 400."""
         if ctype not in ("", "application/json") and not ctype.endswith("+json"):
             return None, None  # a form (transcriptions)
+        too_deep = f"JSON nested deeper than {self.settings.max_json_depth} levels"
         try:
             doc = json.loads(body)
-        except RecursionError:
-            return None, f"JSON nested deeper than {self.settings.max_json_depth} levels"
+        except RecursionError:  # deeper than the parser survives
+            return None, too_deep
         except ValueError:
             return None, None
         if nested_deeper(doc, self.settings.max_json_depth):
-            return None, f"JSON nested deeper than {self.settings.max_json_depth} levels"
+            return None, too_deep
         return (doc if path in GENERATION_PATHS and isinstance(doc, dict) else None), None
 
     def _check_work(self, path: str, doc: Optional[dict]) -> Optional[str]:
@@ -497,15 +499,10 @@ class TimedRequest:
                 return
             self.done = True
             if not self.started:
-                body = error_body(message, "TimeoutError", 504)
-                await self._send({"type": "http.response.start", "status": 504,
-                                  "headers": [(b"content-type", b"application/json"),
-                                              (b"content-length", str(len(body)).encode())]})
-                await self._send({"type": "http.response.body", "body": body})
-            elif self.sse:
-                event = json.dumps({"error": {"message": message, "type": "TimeoutError", "code": 504}})
-                await self._send({"type": "http.response.body",
-                                  "body": f"data: {event}\n\ndata: [DONE]\n\n".encode()})
+                await send_error(self._send, 504, message, "TimeoutError")
+            elif self.sse:  # the event a lost engine's stream ends with, then [DONE]
+                event = lost_event(message, "TimeoutError", 504)
+                await self._send({"type": "http.response.body", "body": f"{event}data: [DONE]\n\n".encode()})
             else:
                 await self._send({"type": "http.response.body", "body": b""})
 
