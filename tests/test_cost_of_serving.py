@@ -13,19 +13,23 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 # Our layers (ingress, replica, router and pool actors) may spend at most
 # this much CPU per streamed token over what stock Ray Serve LLM's ingress and
-# replica spend, in the same run on the same machine. Measured: 1.26x in the
-# default bench, 1.35x in this small run (docs/BENCHMARKS.md; the issue's
-# target is 1.1x, not met yet). On 2026-12-01 the same bench gave 1.15x to
-# 1.52x on an idle machine while our layers' own CPU per token stayed
-# within 0.52-0.58 s per 1,000 tokens (stock's side moved), and this test
-# measured 1.64x in one clean-clone run: the bound is 1.8x. That catches
-# only a gross regression; session 8's per-token costs (1.53x in the
-# default bench) would pass it, so the bench, not this check, is where the
-# cost is judged.
-MAX_OWN_CPU_RATIO = 1.8
+# replica spend, in the same run on the same machine.
+#
+# Both apps run with Serve LLM's stream batching off (one message per engine
+# output): with its default 50 ms batches, the CPU per token of every layer a
+# token crosses follows the tokens per batch, i.e. each engine's speed, and
+# on 2 cores a slower engine (ours writes KV through to the host tier) made
+# more messages per token, more CPU, a slower engine: the same commit
+# measured 1.15x to 1.88x (docs/BENCHMARKS.md). With one message per output
+# both apps carry the same messages and four rounds measured 0.90-1.29x
+# (medians 1.09x and 1.18x); the user-facing figure, with batching on, is
+# the bench's.
+MAX_OWN_CPU_RATIO = 1.6
+NO_BATCHING = {"experimental_configs": {"stream_batching_interval_ms": 0}}
 
 
 @pytest.mark.slow
@@ -33,11 +37,15 @@ def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
     out = tmp_path / "bench-serving"
     r = subprocess.run(
         [sys.executable, "-m", "tokenflow.tools.cli", "bench-serving", "--engines", "1", "--port", "8018",
-         "--requests", "24", "--max-tokens", "128", "--rounds", "2", "--app-nice", "5", "--out", str(out)],
+         "--requests", "24", "--max-tokens", "128", "--rounds", "2", "--app-nice", "5",
+         "--app-args", json.dumps(NO_BATCHING), "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     summary = json.loads((out / "summary.json").read_text())
+    served = yaml.safe_load((out / "app.yaml").read_text())["applications"]
+    llms = [served[0]["args"]] + served[1]["args"]["llm_configs"]  # ours, stock's
+    assert [x["experimental_configs"] for x in llms] == [NO_BATCHING["experimental_configs"]] * 2
     rows = summary["rows"]
     assert [(x["round"], x["app"]) for x in rows] == [(0, "tokenflow"), (0, "stock"), (1, "stock"), (1, "tokenflow")]
     for row in rows:
