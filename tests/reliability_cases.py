@@ -196,8 +196,9 @@ The OpenAI ingress runs one ASGI middleware outside everything else:
   sent within `admission.first_token_timeout_s` (600 s), or any request
   past `admission.request_timeout_s` (3600 s), gets 504 JSON, or, once a
   stream has begun, an SSE error event `{"error": {"type": "TimeoutError",
-  "code": 504, ...}}` and `[DONE]`; its task is cancelled, which Serve
-  carries to the engine replica, and its slot given back. A stream that has
+  "code": 504, ...}}` and `[DONE]`; its task is cancelled, the ingress
+  cancels its engine call (the engine aborts the request), and its slot is
+  given back. A stream that has
   sent nothing for `admission.keepalive_s` (15 s), a paused reader's say,
   gets an SSE comment line `: keepalive` (clients skip comments). GETs in
   flight are bounded by `admission.max_ongoing_gets` (64; then 429),
@@ -346,7 +347,7 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 | routes outside `/v1/`, other root_path | every route but `/health` guarded | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
 | `n` as "1000", 1000.0, escaped key; prompt lists | 400 past `max_n` sequences | rows 30-32 above (tests/test_reliability.py), tests/test_guard.py::test_n_over_max_gets_400_on_generation_routes_only |
 | total tokens one request asks for unbounded; deeply nested JSON | 400 past `max_request_tokens` (sequences x max_tokens, 262,144) or `max_json_depth` (64 levels; a depth that would overflow the parser too) | rows 44-46 above (tests/test_reliability.py), tests/test_guard.py::test_total_tokens_and_json_depth_are_bounded |
-| slow bodies holding admission slots | 408 after `body_timeout_s`, slot back | tests/test_guard.py::test_slow_body_gets_408_and_frees_its_slot |
+| slow bodies holding admission slots | 408 after `body_timeout_s`, slot back | tests/test_guard.py::test_slow_body_gets_408_and_frees_its_slot; live (Serve, engines, every slot held by a slow body: a good client gets 429, each slow sender 408, then the good client 200): tests/test_cluster.py::test_slow_bodies_get_408_and_give_their_slots_back |
 | reading rate 1e-9 or 100,000 tokens/s | 400 outside `min_rate`..`max_rate` | rows 40-41 above (tests/test_reliability.py) |
 | EngineCore death, replica alive | re-sent / 503 event; out of routing at once | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive |
 | other mid-stream exceptions | 500 error event and `[DONE]` | tests/test_failover.py::test_other_errors_after_the_first_token_end_the_stream_with_an_error_event |
@@ -359,9 +360,9 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 | `/health` "ok" whatever the engines' state | 503 when no engine can serve | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive, tests/test_reliability.py::test_front_door_is_wired_with_keys_off |
 | `/v1/tokenflow/engines` open to anyone | behind the keys like every route | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path |
 | a re-send after ActorUnavailableError did not cancel the first attempt | the ingress records each attempt's engine call (a wrapper around Serve LLM's handle) and cancels it (`DeploymentResponse.cancel`, best effort) before re-sending | tests/test_failover.py::test_a_resend_cancels_the_attempt_it_abandons (Serve's handle stood in; live re-sends after a killed replica or core go through the same path in tests/test_failover.py) |
-| no time limit on the first token or on a whole request | `first_token_timeout_s` (600 s) and `request_timeout_s` (3600 s): 504 JSON, or an SSE error event and `[DONE]` once a stream has begun; the request's task is cancelled (Serve carries that to the engine replica) and its admission slot given back | tests/test_guard.py::test_no_first_token_in_time_gets_504_and_the_work_is_cancelled, tests/test_guard.py::test_a_request_over_its_time_limit_ends_cleanly_and_is_cancelled (the real guard on FastAPI streaming apps; not yet on the live app with short limits) |
-| a paused stream sends nothing for seconds (idle-timeout proxies cut it) | `: keepalive` SSE comment after `keepalive_s` (15 s) of silence; none on a busy stream | tests/test_guard.py::test_a_quiet_stream_gets_keepalive_comments_and_a_busy_one_none |
-| GETs not bounded | `max_ongoing_gets` (64) in flight, then 429; `/health` exempt | tests/test_guard.py::test_gets_in_flight_are_bounded_but_health_is_not |
+| no time limit on the first token or on a whole request | `first_token_timeout_s` (600 s) and `request_timeout_s` (3600 s): 504 JSON, or an SSE error event and `[DONE]` once a stream has begun; the request's task is cancelled, the ingress cancels its engine call (Serve does not carry a cancel from inside a replica on: found by the live test) and its admission slot is given back | tests/test_guard.py::test_no_first_token_in_time_gets_504_and_the_work_is_cancelled, tests/test_guard.py::test_a_request_over_its_time_limit_ends_cleanly_and_is_cancelled (the real guard on FastAPI streaming apps); live, `request_timeout_s` 6 s on a whole answer and a stream of 16 x 1,000 tokens: 504, error event and `[DONE]`, both engines idle within seconds: tests/test_cluster.py::test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines (the first-token limit is the same watchdog; live, no request can be made reliably late for its first token) |
+| a paused stream sends nothing for seconds (idle-timeout proxies cut it) | `: keepalive` SSE comment after `keepalive_s` (15 s) of silence; none on a busy stream | tests/test_guard.py::test_a_quiet_stream_gets_keepalive_comments_and_a_busy_one_none; live (keepalive 30 ms, shorter than Serve LLM's 50 ms stream batches: comments between batches; the `openai` client reads such a stream unharmed): tests/test_cluster.py::test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines |
+| GETs not bounded | `max_ongoing_gets` (64) in flight, then 429; `/health` exempt | tests/test_guard.py::test_gets_in_flight_are_bounded_but_health_is_not; live (bound 4, 32 GETs at once): tests/test_cluster.py::test_gets_in_flight_are_bounded_and_health_is_not |
 
 ## Overload
 

@@ -1,8 +1,9 @@
 """Cluster deployment: engine state, slack ranking, router, node KV pools.
 
 The first part is pure (no Ray): ranking decisions and engine bookkeeping.
-The last test starts a two-node Ray cluster on this machine (its own temp
-dir, ports and HTTP port) with one engine pinned to each node."""
+The last tests start a two-node Ray cluster on this machine (its own temp
+dir, ports and HTTP port) with one engine pinned to each node, and its app
+with short front-door limits (ADMISSION), watched live."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -437,6 +439,14 @@ APP = "tfcluster"
 NODE_RESOURCES = ("tf_node_a", "tf_node_b")  # a name per node; "tf_engine_slot" pins engines
 
 
+# The front door's limits, short enough to watch live (the time-limit tests
+# below); the other tests' requests here end within a second or two. A
+# keepalive shorter than Serve LLM's 50 ms stream batches: every gap between
+# two batches of a stream is a quiet spell that gets a comment.
+ADMISSION = {"max_ongoing_requests": 12, "body_timeout_s": 5.0, "request_timeout_s": 6.0, "keepalive_s": 0.03,
+             "max_ongoing_gets": 4}
+
+
 def _app_args(model_path: str) -> dict:
     # CPU settings of local.yaml; each replica also needs one unit of
     # "tf_engine_slot", which each node has exactly once: one engine per node.
@@ -454,6 +464,7 @@ def _app_args(model_path: str) -> dict:
         # the states are split over two boards (by node) that the ingress follows.
         "router": {"stale_after_s": 1.0, "node_relay": True, "board_shards": 2},
         "kv_pool": {"size_bytes": 64 * 2**20},
+        "admission": ADMISSION,
     }
 
 
@@ -615,6 +626,135 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
           "\nfallbacks:", [r["fallbacks"] for r in routers], "ranked:", ranked, "received:", received)
     assert lat["count"] >= 8  # timings are printed, not asserted (shared, noisy machine)
     assert ranked > 0, "every decision fell back to Serve's default"
+
+
+# --- (d) the front door's limits, live (ADMISSION above) ----------------------
+
+def _engines_idle(base: str) -> bool:
+    import httpx
+
+    view = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+    sched = [e.get("scheduler") or {} for e in view["engines"]]
+    return len(sched) == 2 and all(
+        x.get("running", 1) + x.get("waiting", 1) + x.get("paused_hold", 0) + x.get("paused_release", 0) == 0
+        for x in sched)
+
+
+@pytest.mark.slow
+def test_slow_bodies_get_408_and_give_their_slots_back(cluster_app):
+    import httpx
+
+    base = cluster_app["base"]
+    good = {"model": "tiny-llama", "prompt": "a good client", "max_tokens": 4, "temperature": 0}
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{HTTP_PORT}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode() + b'{"model": '
+    socks = []
+    try:
+        for _ in range(ADMISSION["max_ongoing_requests"]):  # each declares 1,000 bytes and sends 10
+            sock = socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=30)
+            sock.sendall(head)
+            socks.append(sock)
+        t0 = time.monotonic()
+        # Every admission slot is held by a body still on its way: a good client is turned away.
+        codes = []
+        while time.monotonic() - t0 < ADMISSION["body_timeout_s"] - 1.0:
+            r = httpx.post(base + "/v1/completions", json=good, timeout=30)
+            codes.append(r.status_code)
+            if r.status_code == 429:
+                assert r.json()["error"]["type"] == "RateLimitError", r.text
+                break
+            time.sleep(0.05)
+        print(f"\nturned away after {time.monotonic() - t0:.2f} s: {codes}")
+        assert codes and codes[-1] == 429, codes
+        # Each slow sender gets 408 once its body is late, and its slot back.
+        for sock in socks:
+            reply = b""
+            while b"}" not in reply:
+                part = sock.recv(4096)
+                if not part:
+                    break
+                reply += part
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+            assert b"RequestTimeoutError" in reply and b"not received within 5 s" in reply, reply
+        assert time.monotonic() - t0 >= ADMISSION["body_timeout_s"] - 1.0
+    finally:
+        for sock in socks:
+            sock.close()
+    r = httpx.post(base + "/v1/completions", json=good, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text[:300]
+
+
+@pytest.mark.slow
+def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluster_app):
+    import httpx
+    from openai import OpenAI
+
+    base, limit = cluster_app["base"], ADMISSION["request_timeout_s"]
+    # 16 sequences of 1,000 tokens: far longer than the limit on these engines.
+    body = {"model": "tiny-llama", "prompt": "Tell a very long story.", "max_tokens": 1000, "n": 16,
+            "ignore_eos": True, "temperature": 1.0}  # n > 1 needs sampling
+
+    def whole():
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        return r, time.monotonic() - t0
+
+    def stream():
+        t0, events, comments = time.monotonic(), [], 0
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith(":"):
+                    comments += 1
+                elif line.startswith("data: "):
+                    events.append(line[6:])
+            return r.status_code, events, comments, time.monotonic() - t0
+
+    with ThreadPoolExecutor(2) as pool:
+        w, st = pool.submit(whole), pool.submit(stream)
+        (r, whole_s), (status, events, comments, stream_s) = w.result(), st.result()
+    # The whole answer: 504 JSON. The stream: what it had, then an error event and [DONE].
+    assert r.status_code == 504 and r.json()["error"]["type"] == "TimeoutError", r.text[:300]
+    assert status == 200 and events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "TimeoutError" and error["code"] == 504, error
+    tokens = sum(1 for e in events[:-2] for ch in json.loads(e).get("choices") or () if ch.get("text"))
+    print(f"\nwhole: 504 after {whole_s:.1f} s; stream: {tokens} tokens, {comments} keepalive comments, "
+          f"ended after {stream_s:.1f} s")
+    assert limit <= whole_s < limit + 10 and limit <= stream_s < limit + 10
+    # Keepalives: Serve LLM sends a stream's tokens in batches 50 ms apart, longer than keepalive_s.
+    assert comments > 0
+    # The engines drop both requests (cancelled, not left to run on): well
+    # before the stream, at the speed it had, would have ended by itself.
+    left_s = (16 * 1000 - tokens) / (tokens / stream_s)
+    assert tokens > 0 and left_s > 2.0, (tokens, left_s)
+    deadline = time.monotonic() + min(4.0, 0.75 * left_s)
+    while not _engines_idle(base):
+        assert time.monotonic() < deadline, httpx.get(base + "/v1/tokenflow/engines", timeout=10).text[:2000]
+        time.sleep(0.25)
+    # A client that does not know the comments reads a stream with them unharmed.
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = {"model": "tiny-llama", "prompt": "The reader", "max_tokens": 24, "temperature": 0}
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
+    assert streamed == client.completions.create(**ask).choices[0].text and streamed
+
+
+@pytest.mark.slow
+def test_gets_in_flight_are_bounded_and_health_is_not(cluster_app):
+    import httpx
+
+    base = cluster_app["base"]
+    seen = []
+    with ThreadPoolExecutor(32) as pool:
+        for _ in range(3):  # 32 at once against a bound of 4: some must wait their turn
+            replies = list(pool.map(lambda _: httpx.get(base + "/v1/tokenflow/engines", timeout=30), range(32)))
+            seen += replies
+            if any(x.status_code == 429 for x in replies):
+                break
+    codes = [x.status_code for x in seen]
+    assert set(codes) == {200, 429}, codes
+    assert all(x.json()["error"]["type"] == "RateLimitError" for x in seen if x.status_code == 429)
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    assert httpx.get(base + "/v1/tokenflow/engines", timeout=10).status_code == 200
 
 
 @pytest.mark.slow

@@ -418,9 +418,10 @@ class TimedRequest:
     AdmissionSettings. The app runs in the caller's task; a watchdog task
     wakes only when something falls due (a keepalive, a limit), so a busy
     stream costs it a wake-up per keepalive_s, not per chunk. On a limit
-    the app's task is cancelled, which Serve carries to the engine replica
-    (the engine request is aborted), and the client gets 504, or, once an
-    SSE stream has begun, an error event and [DONE]."""
+    the app's task is cancelled (the ingress then cancels its engine call:
+    Serve does not carry a cancel from inside a replica on; the engine
+    request is aborted), and the client gets 504, or, once an SSE stream has
+    begun, an error event and [DONE]."""
 
     def __init__(self, settings: AdmissionSettings, send, streaming: bool):
         self.s = settings

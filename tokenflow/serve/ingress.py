@@ -64,6 +64,10 @@ class RecordingHandle:
         return response
 
 
+# Cancellations in flight (abandon_soon): a task nobody holds may be collected.
+_ABANDONING: set = set()
+
+
 class Attempts:
     """One request's attempts (failover.py): open() starts one, recording
     its engine calls; abandon() cancels them before a re-send."""
@@ -84,6 +88,13 @@ class Attempts:
                 await asyncio.to_thread(response.cancel)
             except Exception as e:
                 logger.info(f"TokenFlow ingress: cancelling an abandoned attempt failed: {e!r}")
+
+    def abandon_soon(self) -> None:
+        """abandon() in a task of its own, for a request that is being
+        cancelled and cannot wait for it."""
+        task = asyncio.get_running_loop().create_task(self.abandon())
+        _ABANDONING.add(task)
+        task.add_done_callback(_ABANDONING.discard)
 
 
 class TokenFlowIngress(OpenAiIngress):
@@ -129,9 +140,16 @@ class TokenFlowIngress(OpenAiIngress):
         # poll; a re-send waits that long so it goes elsewhere.
         settle = (self._tf_settings.push_interval_s + self._tf_settings.refresh_interval_s
                   if self._tf_settings.enabled else 0.0)
-        async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends, self._tf_on_lost,
-                                                            settle, attempts.abandon):
-            yield item
+        try:
+            async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends,
+                                                                self._tf_on_lost, settle, attempts.abandon):
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled or dropped inside this replica (the guard's time
+            # limits): Serve carries only its own cancellations on to the
+            # engine replica, so the engine call is cancelled here.
+            attempts.abandon_soon()
+            raise
 
     def _tf_on_lost(self, outcome: str) -> None:
         self._tf_lost[outcome] += 1
