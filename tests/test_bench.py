@@ -28,7 +28,7 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["results"]) == {"fcfs", "tokenflow"}
+    assert set(summary["results"]) == {"fcfs", "andes", "tokenflow"}
     assert "engine-side" in summary["workload"]["timing"]
     # No GPU here: every scheduler ran synchronously, and the summary says so.
     assert summary["workload"]["engine"]["scheduling"] == "sync"
