@@ -435,6 +435,10 @@ def test_kv_pool_quotas_are_equal_shares_and_expire():
 # --- (b) two Ray nodes on this machine, one engine each -----------------------
 
 HTTP_PORT = 8123
+# API keys on, as a production deployment runs: given in the app's env, which
+# reaches the ingress (tests/test_guard.py); every request but /health sends one.
+KEY = "tf-cluster-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 APP = "tfcluster"
 NODE_RESOURCES = ("tf_node_a", "tf_node_b")  # a name per node; "tf_engine_slot" pins engines
 
@@ -455,9 +459,10 @@ def _app_args(model_path: str) -> dict:
         "num_replicas": 2, "replica_num_cpus": 0, "ingress_num_cpus": 0,
         "placement_group_config": {"bundles": [{"CPU": 1}]},
         "deployment_config": {"ray_actor_options": {"resources": {"tf_engine_slot": 1}}},
-        "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
-        "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 1024,
-                          "max_num_seqs": 16, "scheduler_cls": "tokenflow.engine.scheduler.TokenFlowScheduler"},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENFLOW_API_KEYS": KEY},
+        "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20,
+                          "max_model_len": 1024, "max_num_seqs": 16,
+                          "scheduler_cls": "tokenflow.engine.scheduler.TokenFlowScheduler"},
         "tokenflow": {"policy": "tokenflow", "dt": 0.5, "default_rate": 40.0},
         # stale_after_s as local.yaml (2 busy cores delay pushes); as a cluster
         # at scale would run: each node's engines push through its relay, and
@@ -508,7 +513,7 @@ def cluster_app():
         # (warmed up by the ingress) holds fresh states of both.
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            r = httpx.get(base + "/v1/tokenflow/engines", timeout=10)
+            r = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10)
             views = r.json().get("routers", {}).values() if r.status_code == 200 else ()
             if any(sum(e["fresh"] for e in v["engines"]) == 2 for v in views):
                 break
@@ -550,7 +555,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
         assert st["running_on"] == st["node_id"]  # pinned where it belongs
         assert st["total_bytes"] == 64 * 2**20
 
-    before = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+    before = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
     assert sorted(before["kv_pools"]) == sorted(pools)
     engines = {e["engine_id"]: e for e in before["engines"]}
     assert len(engines) == 2
@@ -585,13 +590,13 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
         body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 24, "temperature": 0,
                 "consumption_rate": 20 + i}
         if i % 2:
-            r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+            r = httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=300)
             r.raise_for_status()
             out = r.json()
             return "whole", out["choices"][0]["text"], out["usage"]["completion_tokens"], 1
         body.update(stream=True, stream_options={"include_usage": True})
         text, usage, chunks = [], None, 0
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=AUTH, timeout=300) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -612,7 +617,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     outs = {text for _, text, _, _ in results}
     assert len(outs) == 1, f"greedy outputs differ across engines: {outs}"
 
-    after = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+    after = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
     received = {e["engine_id"]: e["received_total"] - engines[e["engine_id"]]["received_total"]
                 for e in after["engines"]}
     assert sum(received.values()) == 8
@@ -628,12 +633,34 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     assert ranked > 0, "every decision fell back to Serve's default"
 
 
+@pytest.mark.slow
+def test_with_keys_on_every_route_but_health_needs_one(cluster_app):
+    import httpx
+
+    base = cluster_app["base"]
+    body = {"model": "tiny-llama", "prompt": "a key", "max_tokens": 4, "temperature": 0}
+    wrong = {"Authorization": "Bearer not-the-key"}
+    tokenize = {"model": "tiny-llama", "prompt": "a key"}
+    for method, path, kw in (("POST", "/v1/completions", {"json": body}), ("POST", "/tokenize", {"json": tokenize}),
+                             ("GET", "/v1/models", {}), ("GET", "/v1/tokenflow/engines", {})):
+        for headers in ({}, wrong):
+            r = httpx.request(method, base + path, headers=headers, timeout=30, **kw)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = httpx.request(method, base + path, headers=AUTH, timeout=60, **kw)
+        # With the key, past the guard: the route's own answer (this model's
+        # engine runs no tokenization task, and says so with a 400).
+        assert r.status_code == (400 if path == "/tokenize" else 200), (path, r.text[:300])
+        assert r.headers["content-type"].startswith("application/json")
+    assert httpx.get(base + "/health", timeout=10).status_code == 200  # no key: liveness stays open
+
+
 # --- (d) the front door's limits, live (ADMISSION above) ----------------------
 
 def _engines_idle(base: str) -> bool:
     import httpx
 
-    view = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
     sched = [e.get("scheduler") or {} for e in view["engines"]]
     return len(sched) == 2 and all(
         x.get("running", 1) + x.get("waiting", 1) + x.get("paused_hold", 0) + x.get("paused_release", 0) == 0
@@ -646,7 +673,7 @@ def test_slow_bodies_get_408_and_give_their_slots_back(cluster_app):
 
     base = cluster_app["base"]
     good = {"model": "tiny-llama", "prompt": "a good client", "max_tokens": 4, "temperature": 0}
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{HTTP_PORT}\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{HTTP_PORT}\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode() + b'{"model": '
     socks = []
     try:
@@ -658,7 +685,7 @@ def test_slow_bodies_get_408_and_give_their_slots_back(cluster_app):
         # Every admission slot is held by a body still on its way: a good client is turned away.
         codes = []
         while time.monotonic() - t0 < ADMISSION["body_timeout_s"] - 1.0:
-            r = httpx.post(base + "/v1/completions", json=good, timeout=30)
+            r = httpx.post(base + "/v1/completions", json=good, headers=AUTH, timeout=30)
             codes.append(r.status_code)
             if r.status_code == 429:
                 assert r.json()["error"]["type"] == "RateLimitError", r.text
@@ -680,7 +707,7 @@ def test_slow_bodies_get_408_and_give_their_slots_back(cluster_app):
     finally:
         for sock in socks:
             sock.close()
-    r = httpx.post(base + "/v1/completions", json=good, timeout=60)
+    r = httpx.post(base + "/v1/completions", json=good, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text[:300]
 
 
@@ -696,12 +723,13 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
 
     def whole():
         t0 = time.monotonic()
-        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        r = httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=120)
         return r, time.monotonic() - t0
 
     def stream():
         t0, events, comments = time.monotonic(), [], 0
-        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                          timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith(":"):
                     comments += 1
@@ -729,10 +757,11 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     assert tokens > 0 and left_s > 2.0, (tokens, left_s)
     deadline = time.monotonic() + min(4.0, 0.75 * left_s)
     while not _engines_idle(base):
-        assert time.monotonic() < deadline, httpx.get(base + "/v1/tokenflow/engines", timeout=10).text[:2000]
+        assert time.monotonic() < deadline, httpx.get(base + "/v1/tokenflow/engines", headers=AUTH,
+                                                      timeout=10).text[:2000]
         time.sleep(0.25)
     # A client that does not know the comments reads a stream with them unharmed.
-    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
     ask = {"model": "tiny-llama", "prompt": "The reader", "max_tokens": 24, "temperature": 0}
     streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
     assert streamed == client.completions.create(**ask).choices[0].text and streamed
@@ -746,7 +775,8 @@ def test_gets_in_flight_are_bounded_and_health_is_not(cluster_app):
     seen = []
     with ThreadPoolExecutor(32) as pool:
         for _ in range(3):  # 32 at once against a bound of 4: some must wait their turn
-            replies = list(pool.map(lambda _: httpx.get(base + "/v1/tokenflow/engines", timeout=30), range(32)))
+            replies = list(pool.map(lambda _: httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=30),
+                                    range(32)))
             seen += replies
             if any(x.status_code == 429 for x in replies):
                 break
@@ -754,7 +784,7 @@ def test_gets_in_flight_are_bounded_and_health_is_not(cluster_app):
     assert set(codes) == {200, 429}, codes
     assert all(x.json()["error"]["type"] == "RateLimitError" for x in seen if x.status_code == 429)
     assert httpx.get(base + "/health", timeout=10).status_code == 200
-    assert httpx.get(base + "/v1/tokenflow/engines", timeout=10).status_code == 200
+    assert httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).status_code == 200
 
 
 @pytest.mark.slow
@@ -763,24 +793,26 @@ def test_dead_engine_is_skipped_then_replaced(cluster_app):
     import ray
 
     base = cluster_app["base"]
-    view = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
     victim, survivor = view["engines"][0], view["engines"][1]
 
     def routed_to(eid: str) -> int:
-        v = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()
+        v = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
         return sum(e["routed"] for r in v["routers"].values() for e in r["engines"] if e["engine_id"] == eid)
 
     # Kill the replica actor outright, as a crash would (no graceful stop, so
     # it never says goodbye to the state board).
     ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
     time.sleep(2.5)  # > stale_after_s (1 s): its state is now unknown
-    engines = {e["engine_id"]: e for e in httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()["engines"]}
+    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    engines = {e["engine_id"]: e for e in view["engines"]}
     assert not engines[victim["engine_id"]]["fresh"] and engines[survivor["engine_id"]]["fresh"]
 
     before = routed_to(victim["engine_id"])
     body = {"model": "tiny-llama", "prompt": "after the crash", "max_tokens": 8, "temperature": 0}
     with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=300), range(4)))
+        replies = list(pool.map(lambda _: httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=300),
+                                range(4)))
     assert [r.status_code for r in replies] == [200] * 4
     assert {r.json()["usage"]["completion_tokens"] for r in replies} == {8}
     assert routed_to(victim["engine_id"]) == before, "the router sent work to a dead engine"
@@ -789,7 +821,7 @@ def test_dead_engine_is_skipped_then_replaced(cluster_app):
     deadline = time.monotonic() + 300
     fresh = set()
     while time.monotonic() < deadline:
-        engines = httpx.get(base + "/v1/tokenflow/engines", timeout=10).json()["engines"]
+        engines = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()["engines"]
         fresh = {e["engine_id"] for e in engines if e["fresh"]}
         if len(fresh) == 2:
             break
