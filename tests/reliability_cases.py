@@ -343,7 +343,7 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 
 | case | now | test |
 | --- | --- | --- |
-| `make serve` with API keys never came up | readiness probes send a key from the same variables | tests/test_guard.py::test_readiness_probe_passes_the_guard_when_keys_are_on |
+| `make serve` with API keys never came up | readiness probes send a key from the same variables | tests/test_guard.py::test_readiness_probe_passes_the_guard_when_keys_are_on; live (the launcher's probe against the keys-on cluster app: refused without the variable, ready with it): tests/test_cluster.py::test_with_keys_on_every_route_but_health_needs_one |
 | routes outside `/v1/`, other root_path | every route but `/health` guarded | tests/test_guard.py::test_every_route_but_health_needs_the_key_under_any_root_path; live (keys in the app's env, Serve, engines: `/v1/completions`, `/tokenize`, `/v1/models`, `/v1/tokenflow/engines` 401 without or with a wrong key, past the guard with it; `/health` open): tests/test_cluster.py::test_with_keys_on_every_route_but_health_needs_one |
 | `n` as "1000", 1000.0, escaped key; prompt lists | 400 past `max_n` sequences | rows 30-32 above (tests/test_reliability.py), tests/test_guard.py::test_n_over_max_gets_400_on_generation_routes_only |
 | total tokens one request asks for unbounded; deeply nested JSON | 400 past `max_request_tokens` (sequences x max_tokens, 262,144) or `max_json_depth` (64 levels; a depth that would overflow the parser too) | rows 44-46 above (tests/test_reliability.py), tests/test_guard.py::test_total_tokens_and_json_depth_are_bounded |

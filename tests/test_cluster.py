@@ -634,7 +634,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
 
 
 @pytest.mark.slow
-def test_with_keys_on_every_route_but_health_needs_one(cluster_app):
+def test_with_keys_on_every_route_but_health_needs_one(cluster_app, monkeypatch):
     import httpx
 
     base = cluster_app["base"]
@@ -653,6 +653,14 @@ def test_with_keys_on_every_route_but_health_needs_one(cluster_app):
         assert r.status_code == (400 if path == "/tokenize" else 200), (path, r.text[:300])
         assert r.headers["content-type"].startswith("application/json")
     assert httpx.get(base + "/health", timeout=10).status_code == 200  # no key: liveness stays open
+    # `make serve`'s readiness probe takes its key from the variables the app reads.
+    from tokenflow.tools import launcher
+
+    monkeypatch.delenv("TOKENFLOW_API_KEYS", raising=False)
+    monkeypatch.delenv("TOKENFLOW_API_KEYS_FILE", raising=False)
+    assert not launcher.probe(base, "tiny-llama")  # no key: 401
+    monkeypatch.setenv("TOKENFLOW_API_KEYS", KEY)
+    assert launcher.wait_until_ready(base, "tiny-llama", timeout=60)
 
 
 # --- (d) the front door's limits, live (ADMISSION above) ----------------------
