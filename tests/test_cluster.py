@@ -447,8 +447,11 @@ NODE_RESOURCES = ("tf_node_a", "tf_node_b")  # a name per node; "tf_engine_slot"
 # below); the other tests' requests here end within a second or two. A
 # keepalive shorter than Serve LLM's 50 ms stream batches: every gap between
 # two batches of a stream is a quiet spell that gets a comment.
-ADMISSION = {"max_ongoing_requests": 12, "body_timeout_s": 5.0, "request_timeout_s": 6.0, "keepalive_s": 0.03,
-             "max_ongoing_gets": 4}
+ADMISSION = {"max_ongoing_requests": 24, "body_timeout_s": 5.0, "first_token_timeout_s": 4.0,
+             "request_timeout_s": 6.0, "keepalive_s": 0.03, "max_ongoing_gets": 4}
+# Serve's own bound on requests at one engine replica: more wait in the
+# ingress's queue, with no token, as long as the engines are busy.
+ENGINE_MAX_ONGOING = 8
 
 
 def _app_args(model_path: str) -> dict:
@@ -458,7 +461,8 @@ def _app_args(model_path: str) -> dict:
         "model_id": "tiny-llama", "model_path": model_path, "accelerator": "cpu",
         "num_replicas": 2, "replica_num_cpus": 0, "ingress_num_cpus": 0,
         "placement_group_config": {"bundles": [{"CPU": 1}]},
-        "deployment_config": {"ray_actor_options": {"resources": {"tf_engine_slot": 1}}},
+        "deployment_config": {"ray_actor_options": {"resources": {"tf_engine_slot": 1}},
+                              "max_ongoing_requests": ENGINE_MAX_ONGOING},
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENFLOW_API_KEYS": KEY},
         "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20,
                           "max_model_len": 1024, "max_num_seqs": 16,
@@ -773,6 +777,42 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     ask = {"model": "tiny-llama", "prompt": "The reader", "max_tokens": 24, "temperature": 0}
     streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, stream=True) if c.choices)
     assert streamed == client.completions.create(**ask).choices[0].text and streamed
+
+
+@pytest.mark.slow
+def test_a_stream_with_no_token_in_time_gets_504_and_never_runs(cluster_app):
+    import httpx
+
+    base = cluster_app["base"]
+    # Fill every engine to Serve's bound with whole answers longer than the
+    # request limit; one more request then waits in the ingress's queue.
+    long = {"model": "tiny-llama", "prompt": "Fill the engines.", "max_tokens": 1000, "ignore_eos": True,
+            "temperature": 0}
+    n = 2 * ENGINE_MAX_ONGOING
+    with ThreadPoolExecutor(n) as pool:
+        fills = [pool.submit(httpx.post, base + "/v1/completions", json=long, headers=AUTH, timeout=120)
+                 for _ in range(n)]
+        deadline = time.monotonic() + 30
+        while sum(e["unary"] for e in httpx.get(base + "/v1/tokenflow/engines", headers=AUTH,
+                                                  timeout=10).json()["engines"]) < n:
+            assert time.monotonic() < deadline and not any(f.done() for f in fills), "the engines never filled"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={**long, "stream": True}, headers=AUTH, timeout=60)
+        waited = time.monotonic() - t0
+        fill_codes = [f.result().status_code for f in fills]
+    # No token within first_token_timeout_s: 504 JSON (nothing was sent yet), long before a slot freed.
+    assert r.status_code == 504 and r.json()["error"]["type"] == "TimeoutError", r.text[:300]
+    assert "No token within 4 s" in r.json()["error"]["message"]
+    assert ADMISSION["first_token_timeout_s"] <= waited < ADMISSION["request_timeout_s"], waited
+    assert fill_codes == [504] * n  # the fills: cut by the request limit, as in the test above
+    # The abandoned stream left the queue: it never runs once the slots free
+    # (1,000 tokens would keep an engine busy for many seconds).
+    deadline = time.monotonic() + 4
+    while not _engines_idle(base):
+        assert time.monotonic() < deadline, httpx.get(base + "/v1/tokenflow/engines", headers=AUTH,
+                                                      timeout=10).text[:2000]
+        time.sleep(0.25)
 
 
 @pytest.mark.slow
