@@ -354,7 +354,7 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
 | KV pool actor outliving the app; old pool on redeploy | removes itself when unused; one per settings | tests/test_host_shm.py::test_a_pool_lives_while_engines_use_it_and_settings_get_their_own |
 | pool size from host RAM in a container | within the cgroup limit | tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_limit |
 | vLLM's files left in /dev/shm by each stop | removed at stop once unmapped | tests/test_bench.py::test_bench_app_end_to_end_all_policies (three apps started and stopped) |
-| empty `TOKENFLOW_API_KEYS` silently turns auth off | log line | tests/test_guard.py::test_auth_off_is_said_in_the_log |
+| empty `TOKENFLOW_API_KEYS` silently turns auth off | log line | tests/test_guard.py::test_auth_off_is_said_in_the_log; live (the line in the keys-off app's `serve run` log): tests/test_reliability.py::test_front_door_is_wired_with_keys_off |
 | keys in the app's `env` never reached the ingress | given to the ingress | tests/test_guard.py::test_keys_in_the_app_env_reach_the_ingress; live: the cluster app of tests/test_cluster.py runs with keys on (every test there sends one) |
 | key comparison leaks the key's length | SHA-256 digests compared | tests/test_guard.py::test_bad_or_missing_key_gets_401 |
 | `/health` "ok" whatever the engines' state | 503 when no engine can serve | tests/test_failover.py::test_engine_core_killed_with_its_replica_alive, tests/test_reliability.py::test_front_door_is_wired_with_keys_off |

@@ -73,9 +73,9 @@ def test_row(serve_app, case):
 
 @pytest.mark.slow
 def test_front_door_is_wired_with_keys_off(serve_app):
-    """local.yaml with no TOKENFLOW_API_KEYS: no auth. The guard is there
-    (the 8 MiB row above gets its 413), and requests without any
-    Authorization header pass; /health is open."""
+    """local.yaml with no TOKENFLOW_API_KEYS: no auth, and a log line that
+    says so. The guard is there (the 8 MiB row above gets its 413), and
+    requests without any Authorization header pass; /health is open."""
     assert "TOKENFLOW_API_KEYS" not in os.environ and "TOKENFLOW_API_KEYS_FILE" not in os.environ
     base = serve_app["base_url"]
     health = httpx.get(base + "/health", timeout=30)
@@ -86,6 +86,11 @@ def test_front_door_is_wired_with_keys_off(serve_app):
                    headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
     good_request_works(serve_app)
+    if serve_app["log"] is not None:  # the app's log says so (Ray streams the ingress's log to `serve run`)
+        deadline = time.monotonic() + 30
+        while "TokenFlow guard: authentication is OFF" not in serve_app["log"].read_text(errors="replace"):
+            assert time.monotonic() < deadline, "no log line saying that authentication is off"
+            time.sleep(0.5)
 
 
 def _scheduler_load(serve_app):
