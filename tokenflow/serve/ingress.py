@@ -140,15 +140,20 @@ class TokenFlowIngress(OpenAiIngress):
         # poll; a re-send waits that long so it goes elsewhere.
         settle = (self._tf_settings.push_interval_s + self._tf_settings.refresh_interval_s
                   if self._tf_settings.enabled else 0.0)
+        whole = False  # a whole answer (or an error) came back: the engine call is over
         try:
             async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends,
                                                                 self._tf_on_lost, settle, attempts.abandon):
+                whole = not isinstance(item, (str, list))  # stream chunks are SSE text, or lists of it
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             # Cancelled or dropped inside this replica (the guard's time
             # limits): Serve carries only its own cancellations on to the
-            # engine replica, so the engine call is cancelled here.
-            attempts.abandon_soon()
+            # engine replica, so the engine call is cancelled here. Not after
+            # a whole answer: Serve LLM's ingress reads just that one item
+            # and drops the generator, with nothing left to cancel.
+            if not whole:
+                attempts.abandon_soon()
             raise
 
     def _tf_on_lost(self, outcome: str) -> None:
