@@ -729,8 +729,10 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     from openai import OpenAI
 
     base, limit = cluster_app["base"], ADMISSION["request_timeout_s"]
-    # 16 sequences of 1,000 tokens: far longer than the limit on these engines.
-    body = {"model": "tiny-llama", "prompt": "Tell a very long story.", "max_tokens": 1000, "n": 16,
+    # 8 sequences of 1,000 tokens each: far longer than the limit on these
+    # engines, and both requests fit in one engine's 16 slots, so that the
+    # stream's first token never waits for the other (first_token_timeout_s).
+    body = {"model": "tiny-llama", "prompt": "Tell a very long story.", "max_tokens": 1000, "n": 8,
             "ignore_eos": True, "temperature": 1.0}  # n > 1 needs sampling
 
     def whole():
@@ -765,7 +767,7 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     assert comments > 0
     # The engines drop both requests (cancelled, not left to run on): well
     # before the stream, at the speed it had, would have ended by itself.
-    left_s = (16 * 1000 - tokens) / (tokens / stream_s)
+    left_s = (8 * 1000 - tokens) / (tokens / stream_s)
     assert tokens > 0 and left_s > 2.0, (tokens, left_s)
     deadline = time.monotonic() + min(4.0, 0.75 * left_s)
     while not _engines_idle(base):
