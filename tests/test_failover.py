@@ -147,10 +147,13 @@ def test_replica_with_a_dead_engine_ends_a_started_stream_with_the_lost_event():
 
 # --- a real replica killed during a burst ----------------------------------------
 
-def _engines(base: str) -> dict:
+def _engines(base: str, http=None) -> dict:
+    """The engines' view. Pass a client opened before a burst to poll during
+    it: in a process whose 32 threads each open a client at once, making one
+    more (an SSL context each) took up to 39 s (measured)."""
     import httpx
 
-    return httpx.get(base + "/v1/tokenflow/engines", timeout=30).json()
+    return (http or httpx).get(base + "/v1/tokenflow/engines", timeout=30).json()
 
 
 def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
@@ -166,13 +169,18 @@ def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
     raise AssertionError(f"{n} fresh engines not seen in {timeout} s: {fresh}")
 
 
-def _stream(base: str, body: dict) -> dict:
-    """A streaming completion read to its end: text, token chunks, error events."""
+def new_record() -> dict:
+    return {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None}
+
+
+def _stream(base: str, body: dict, rec: dict | None = None, http=None) -> dict:
+    """A streaming completion read to its end: text, token chunks, error
+    events. `rec` fills as the tokens come, so a test can watch it."""
     import httpx
 
-    rec = {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None}
+    rec = new_record() if rec is None else rec
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+    with (http or httpx).stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
         rec["status"] = r.status_code
         if r.status_code != 200:
             r.read()
@@ -210,7 +218,7 @@ def test_replica_killed_during_a_burst(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=300)
-    max_tokens = 2000  # long enough that the burst is still running at the kill
+    max_tokens = 800  # long enough that the burst is still running at the kill (it comes within a second or two)
     prompts = [f"Failover {i}: the river and the mountain" for i in range(32)]
     stream_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                              "temperature": 0, "consumption_rate": 20}
@@ -218,23 +226,29 @@ def test_replica_killed_during_a_burst(serve_app):
                             "temperature": 0}
 
     # Interleaved, so both kinds reach both engines at about the same time;
-    # 32 requests of 2,000 tokens keep both engines busy for many seconds.
+    # 32 requests of 800 tokens keep both engines busy for many seconds.
+    # One client for the burst and the polls, made before it (see _engines).
+    http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    _engines(base, http)
     pool = ThreadPoolExecutor(32)
-    streams, wholes = [], []
+    streams, wholes, live = [], [], []
     for i, p in enumerate(prompts):
         if i % 2:
-            wholes.append(pool.submit(httpx.post, base + "/v1/completions", json=whole_body(p), timeout=600))
+            wholes.append(pool.submit(http.post, base + "/v1/completions", json=whole_body(p), timeout=600))
         else:
-            streams.append(pool.submit(_stream, base, stream_body(p)))
+            live.append(new_record())
+            streams.append(pool.submit(_stream, base, stream_body(p), live[-1], http))
 
-    # Pick a victim that holds both kinds: streams that have tokens, and
-    # whole requests (which get nothing until they are done).
+    # Pick a victim that holds both kinds, while no stream has ended: streams
+    # that have tokens (they are cut; one without is re-sent), and whole
+    # requests (which get nothing until they are done).
     victim, deadline, seen, polls, slowest = None, time.monotonic() + 120, [], 0, 0.0
     while victim is None and time.monotonic() < deadline and not all(f.done() for f in wholes):
         t0 = time.monotonic()
-        seen = _engines(base)["engines"]
+        seen = _engines(base, http)["engines"]
         polls, slowest = polls + 1, max(slowest, time.monotonic() - t0)
-        busy = [e for e in seen if e["fresh"] and e["running"] > 0 and e["unary"] > 0]
+        ongoing = not any(rec["done"] for rec in live)
+        busy = [e for e in seen if ongoing and e["fresh"] and e["running"] > 0 and e["unary"] > 0]
         victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
         if victim is None:
             time.sleep(0.05)
@@ -243,11 +257,13 @@ def test_replica_killed_during_a_burst(serve_app):
     assert victim["pid"] > 0
     (pool_before,) = _engines(base)["kv_pools"].values()
     slot_of = {h["engine_id"]: i for i, h in enumerate(pool_before["shared_memory"]["slots"]) if h}
+    at_kill = [rec["chunks"] for rec in live]
     os.kill(victim["pid"], signal.SIGKILL)
 
     stream_recs = [f.result(timeout=600) for f in streams]
     whole_replies = [f.result(timeout=600) for f in wholes]
     pool.shutdown()
+    http.close()
 
     # Whole requests: all answered in full, re-sent where their engine died.
     assert [r.status_code for r in whole_replies] == [200] * 16, [r.text[:200] for r in whole_replies]
@@ -255,7 +271,8 @@ def test_replica_killed_during_a_burst(serve_app):
     # Streams: every one ended explicitly ([DONE]); complete or with an error event.
     cut = [s for s in stream_recs if s["errors"]]
     assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
-    assert cut, "the victim's streams ended without an error event"
+    assert cut, ("the victim's streams ended without an error event", victim, at_kill,
+                 [(s["chunks"], s["tokens"]) for s in stream_recs])
     for s in cut:
         assert s["errors"][0]["code"] == 503 and s["chunks"] > 0 and s["tokens"] is None
     assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"]), stream_recs
@@ -320,21 +337,27 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=600)
-    max_tokens = 1500
+    max_tokens = 800
     body = lambda p, **kw: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                             "temperature": 0, **kw}
+    http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    _engines(base, http)  # one client, made before the burst (see _engines)
     pool = ThreadPoolExecutor(24)
-    streams, wholes = [], []
+    streams, wholes, live = [], [], []
     for i in range(24):
         p = f"Engine core {i}: the river and the mountain"
         if i % 2:
-            wholes.append(pool.submit(httpx.post, base + "/v1/completions", json=body(p), timeout=600))
+            wholes.append(pool.submit(http.post, base + "/v1/completions", json=body(p), timeout=600))
         else:
-            streams.append(pool.submit(_stream, base, body(p, consumption_rate=20)))
+            live.append(new_record())
+            streams.append(pool.submit(_stream, base, body(p, consumption_rate=20), live[-1], http))
 
+    # As above: chosen while no stream has ended.
     victim, deadline = None, time.monotonic() + 120
     while victim is None and time.monotonic() < deadline:
-        busy = [e for e in _engines(base)["engines"] if e["fresh"] and e["running"] > 0 and e["unary"] > 0]
+        ongoing = not any(rec["done"] for rec in live)
+        busy = [e for e in _engines(base, http)["engines"]
+                if ongoing and e["fresh"] and e["running"] > 0 and e["unary"] > 0]
         victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
         if victim is None:
             time.sleep(0.05)
@@ -342,6 +365,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     core = _engine_core_of(victim["pid"])
     assert core is not None, "no EngineCore process under the replica"
     lost_before = _engines(base)["replicas_lost"]
+    at_kill = [rec["chunks"] for rec in live]
     core.send_signal(signal.SIGKILL)
 
     # It leaves the routing within a few pushes, while its replica lives on.
@@ -361,11 +385,13 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     stream_recs = [f.result(timeout=600) for f in streams]
     whole_replies = [f.result(timeout=600) for f in wholes]
     pool.shutdown()
+    http.close()
     assert [r.status_code for r in whole_replies] == [200] * 12, [r.text[:200] for r in whole_replies]
     assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
     assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
     cut = [s for s in stream_recs if s["errors"]]
-    assert cut, "no stream of the victim ended with an error event"
+    assert cut, ("no stream of the victim ended with an error event", victim, at_kill,
+                 [(s["chunks"], s["tokens"]) for s in stream_recs])
     for s in cut:
         assert s["errors"][0]["code"] == 503 and LOST_MESSAGE in s["errors"][0]["message"] and s["chunks"] > 0
     assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"])
