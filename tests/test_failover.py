@@ -156,6 +156,35 @@ def _engines(base: str, http=None) -> dict:
     return (http or httpx).get(base + "/v1/tokenflow/engines", timeout=30).json()
 
 
+def _burst_client(base: str):
+    """One client for a burst and its polls, connected before it (see _engines)."""
+    import httpx
+
+    http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    _engines(base, http)
+    return http
+
+
+def _choose_victim(base: str, http, live: list[dict], wholes: list) -> dict:
+    """The engine holding the most of both kinds, chosen while no stream has
+    ended: streams that have tokens (they are cut; one without is re-sent)
+    and whole requests (which get nothing until they are done)."""
+    import time
+
+    deadline, seen, polls, slowest = time.monotonic() + 120, [], 0, 0.0
+    while time.monotonic() < deadline and not all(f.done() for f in wholes):
+        t0 = time.monotonic()
+        seen = _engines(base, http)["engines"]
+        polls, slowest = polls + 1, max(slowest, time.monotonic() - t0)
+        ongoing = not any(rec["done"] for rec in live)
+        busy = [e for e in seen if ongoing and e["fresh"] and e["running"] > 0 and e["unary"] > 0]
+        if busy:
+            return max(busy, key=lambda e: e["running"] + e["unary"])
+        time.sleep(0.05)
+    raise AssertionError(f"no engine held streams and whole requests at once "
+                         f"({polls} polls, slowest {slowest:.2f} s): {seen}")
+
+
 def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
     import time
 
@@ -227,9 +256,7 @@ def test_replica_killed_during_a_burst(serve_app):
 
     # Interleaved, so both kinds reach both engines at about the same time;
     # 32 requests of 800 tokens keep both engines busy for many seconds.
-    # One client for the burst and the polls, made before it (see _engines).
-    http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-    _engines(base, http)
+    http = _burst_client(base)
     pool = ThreadPoolExecutor(32)
     streams, wholes, live = [], [], []
     for i, p in enumerate(prompts):
@@ -239,23 +266,9 @@ def test_replica_killed_during_a_burst(serve_app):
             live.append(new_record())
             streams.append(pool.submit(_stream, base, stream_body(p), live[-1], http))
 
-    # Pick a victim that holds both kinds, while no stream has ended: streams
-    # that have tokens (they are cut; one without is re-sent), and whole
-    # requests (which get nothing until they are done).
-    victim, deadline, seen, polls, slowest = None, time.monotonic() + 120, [], 0, 0.0
-    while victim is None and time.monotonic() < deadline and not all(f.done() for f in wholes):
-        t0 = time.monotonic()
-        seen = _engines(base, http)["engines"]
-        polls, slowest = polls + 1, max(slowest, time.monotonic() - t0)
-        ongoing = not any(rec["done"] for rec in live)
-        busy = [e for e in seen if ongoing and e["fresh"] and e["running"] > 0 and e["unary"] > 0]
-        victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
-        if victim is None:
-            time.sleep(0.05)
-    assert victim is not None, (f"no engine held streams and whole requests at once "
-                                f"({polls} polls, slowest {slowest:.2f} s): {seen}")
+    victim = _choose_victim(base, http, live, wholes)
     assert victim["pid"] > 0
-    (pool_before,) = _engines(base)["kv_pools"].values()
+    (pool_before,) = _engines(base, http)["kv_pools"].values()
     slot_of = {h["engine_id"]: i for i, h in enumerate(pool_before["shared_memory"]["slots"]) if h}
     at_kill = [rec["chunks"] for rec in live]
     os.kill(victim["pid"], signal.SIGKILL)
@@ -340,8 +353,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     max_tokens = 800
     body = lambda p, **kw: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                             "temperature": 0, **kw}
-    http = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-    _engines(base, http)  # one client, made before the burst (see _engines)
+    http = _burst_client(base)
     pool = ThreadPoolExecutor(24)
     streams, wholes, live = [], [], []
     for i in range(24):
@@ -352,29 +364,20 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
             live.append(new_record())
             streams.append(pool.submit(_stream, base, body(p, consumption_rate=20), live[-1], http))
 
-    # As above: chosen while no stream has ended.
-    victim, deadline = None, time.monotonic() + 120
-    while victim is None and time.monotonic() < deadline:
-        ongoing = not any(rec["done"] for rec in live)
-        busy = [e for e in _engines(base, http)["engines"]
-                if ongoing and e["fresh"] and e["running"] > 0 and e["unary"] > 0]
-        victim = max(busy, key=lambda e: e["running"] + e["unary"], default=None)
-        if victim is None:
-            time.sleep(0.05)
-    assert victim is not None, "no engine held streams and whole requests at once"
+    victim = _choose_victim(base, http, live, wholes)
     core = _engine_core_of(victim["pid"])
     assert core is not None, "no EngineCore process under the replica"
-    lost_before = _engines(base)["replicas_lost"]
+    lost_before = _engines(base, http)["replicas_lost"]
     at_kill = [rec["chunks"] for rec in live]
     core.send_signal(signal.SIGKILL)
 
     # It leaves the routing within a few pushes, while its replica lives on.
     deadline = time.monotonic() + 30
-    while victim["engine_id"] in {e["engine_id"] for e in _engines(base)["engines"]}:
+    while victim["engine_id"] in {e["engine_id"] for e in _engines(base, http)["engines"]}:
         assert time.monotonic() < deadline, "the engine without its core stayed in the routing"
         time.sleep(0.2)
     os.kill(victim["pid"], 0)  # raises if the replica process is gone
-    health = httpx.get(base + "/health", timeout=30)
+    health = http.get(base + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["engines"] >= 1, health.text
     # New requests meanwhile all succeed (none routed to the dead engine fails).
     short = {"model": model, "prompt": "while it is replaced", "max_tokens": 8, "temperature": 0}
