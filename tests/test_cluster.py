@@ -478,6 +478,14 @@ def _app_args(model_path: str) -> dict:
     }
 
 
+def _view(base: str, http=None) -> dict:
+    """GET /v1/tokenflow/engines with the key. Pass a client made before a
+    burst to poll during it (tests/test_failover.py's _engines says why)."""
+    import httpx
+
+    return (http or httpx).get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+
+
 @pytest.fixture(scope="module")
 def cluster_app():
     import httpx
@@ -560,7 +568,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
         assert st["running_on"] == st["node_id"]  # pinned where it belongs
         assert st["total_bytes"] == 64 * 2**20
 
-    before = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    before = _view(base)
     assert sorted(before["kv_pools"]) == sorted(pools)
     engines = {e["engine_id"]: e for e in before["engines"]}
     assert len(engines) == 2
@@ -622,7 +630,7 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     outs = {text for _, text, _, _ in results}
     assert len(outs) == 1, f"greedy outputs differ across engines: {outs}"
 
-    after = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    after = _view(base)
     received = {e["engine_id"]: e["received_total"] - engines[e["engine_id"]]["received_total"]
                 for e in after["engines"]}
     assert sum(received.values()) == 8
@@ -671,9 +679,7 @@ def test_with_keys_on_every_route_but_health_needs_one(cluster_app, monkeypatch)
 # --- (d) the front door's limits, live (ADMISSION above) ----------------------
 
 def _engines_idle(base: str) -> bool:
-    import httpx
-
-    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    view = _view(base)
     sched = [e.get("scheduler") or {} for e in view["engines"]]
     return len(sched) == 2 and all(
         x.get("running", 1) + x.get("waiting", 1) + x.get("paused_hold", 0) + x.get("paused_release", 0) == 0
@@ -794,16 +800,17 @@ def test_a_stream_with_no_token_in_time_gets_504_and_never_runs(cluster_app):
     long = {"model": "tiny-llama", "prompt": "Fill the engines.", "max_tokens": 1000, "ignore_eos": True,
             "temperature": 0}
     n = 2 * ENGINE_MAX_ONGOING
-    with ThreadPoolExecutor(n) as pool:
-        fills = [pool.submit(httpx.post, base + "/v1/completions", json=long, headers=AUTH, timeout=120)
+    # One client for the fills, the polls and the stream, connected first (see _view).
+    with httpx.Client(limits=httpx.Limits(max_connections=2 * n)) as http, ThreadPoolExecutor(n) as pool:
+        _view(base, http)
+        fills = [pool.submit(http.post, base + "/v1/completions", json=long, headers=AUTH, timeout=120)
                  for _ in range(n)]
         deadline = time.monotonic() + 30
-        while sum(e["unary"] for e in httpx.get(base + "/v1/tokenflow/engines", headers=AUTH,
-                                                  timeout=10).json()["engines"]) < n:
+        while sum(e["unary"] for e in _view(base, http)["engines"]) < n:
             assert time.monotonic() < deadline and not any(f.done() for f in fills), "the engines never filled"
             time.sleep(0.1)
         t0 = time.monotonic()
-        r = httpx.post(base + "/v1/completions", json={**long, "stream": True}, headers=AUTH, timeout=60)
+        r = http.post(base + "/v1/completions", json={**long, "stream": True}, headers=AUTH, timeout=60)
         waited = time.monotonic() - t0
         fill_codes = [f.result().status_code for f in fills]
     # No token within first_token_timeout_s: 504 JSON (nothing was sent yet), long before a slot freed.
@@ -846,18 +853,18 @@ def test_dead_engine_is_skipped_then_replaced(cluster_app):
     import ray
 
     base = cluster_app["base"]
-    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    view = _view(base)
     victim, survivor = view["engines"][0], view["engines"][1]
 
     def routed_to(eid: str) -> int:
-        v = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+        v = _view(base)
         return sum(e["routed"] for r in v["routers"].values() for e in r["engines"] if e["engine_id"] == eid)
 
     # Kill the replica actor outright, as a crash would (no graceful stop, so
     # it never says goodbye to the state board).
     ray.kill(ray.get_actor(victim["replica"], namespace="serve"), no_restart=True)
     time.sleep(2.5)  # > stale_after_s (1 s): its state is now unknown
-    view = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()
+    view = _view(base)
     engines = {e["engine_id"]: e for e in view["engines"]}
     assert not engines[victim["engine_id"]]["fresh"] and engines[survivor["engine_id"]]["fresh"]
 
@@ -874,7 +881,7 @@ def test_dead_engine_is_skipped_then_replaced(cluster_app):
     deadline = time.monotonic() + 300
     fresh = set()
     while time.monotonic() < deadline:
-        engines = httpx.get(base + "/v1/tokenflow/engines", headers=AUTH, timeout=10).json()["engines"]
+        engines = _view(base)["engines"]
         fresh = {e["engine_id"] for e in engines if e["fresh"]}
         if len(fresh) == 2:
             break
