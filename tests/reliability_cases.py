@@ -283,9 +283,9 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
   `ended_mid_stream`, `gave_up`).
 
 Test (tests/test_failover.py, live app): 16 streams and 16 whole requests
-of 800 tokens; SIGKILL the replica process holding both kinds while no
+of 2,000 tokens; SIGKILL the replica process holding both kinds while no
 stream has ended; every whole
-request answers 200 with all 800 tokens and the same greedy text as a fresh
+request answers 200 with all 2,000 tokens and the same greedy text as a fresh
 run; the victim's streams end with the error event and `[DONE]`, the
 survivor's finish in full; the restarted replica receives requests again
 and holds the victim's slot of the node's pool.
@@ -311,7 +311,7 @@ fails. Until then the replica:
   replaces the replica.
 
 Test (tests/test_failover.py::test_engine_core_killed_with_its_replica_alive,
-live app): 12 streams and 12 whole requests of 800 tokens; SIGKILL the
+live app): 12 streams and 12 whole requests of 1,500 tokens; SIGKILL the
 EngineCore of the replica holding both kinds (while no stream has ended); its replica process stays
 alive; the engine leaves `/v1/tokenflow/engines`; `/health` stays 200; 16
 new requests meanwhile all answer 200; every whole request answers 200 in

@@ -247,7 +247,7 @@ def test_replica_killed_during_a_burst(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=300)
-    max_tokens = 800  # long enough that the burst is still running at the kill (it comes within a second or two)
+    max_tokens = 2000  # long enough that the burst is still running at the kill
     prompts = [f"Failover {i}: the river and the mountain" for i in range(32)]
     stream_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                              "temperature": 0, "consumption_rate": 20}
@@ -255,7 +255,7 @@ def test_replica_killed_during_a_burst(serve_app):
                             "temperature": 0}
 
     # Interleaved, so both kinds reach both engines at about the same time;
-    # 32 requests of 800 tokens keep both engines busy for many seconds.
+    # 32 requests of 2,000 tokens keep both engines busy for many seconds.
     http = _burst_client(base)
     pool = ThreadPoolExecutor(32)
     streams, wholes, live = [], [], []
@@ -350,7 +350,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=600)
-    max_tokens = 800
+    max_tokens = 1500
     body = lambda p, **kw: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
                             "temperature": 0, **kw}
     http = _burst_client(base)
