@@ -105,6 +105,38 @@ def test_working_set_bounds_admission(stock):
     finished_clean(loop)
 
 
+@pytest.mark.parametrize("unread_s", [0.05, 30.0])
+def test_a_continued_stream_is_ranked_by_its_readers_buffer(stock, unread_s):
+    """A stream continued from a lost engine (tokenflow/serve/continuation.py)
+    arrives with the burst's tail: its prompt holds the ids already sent
+    and `vllm_xargs` its reader's unread tokens. Under the GPU loop its
+    first token comes before every other late newcomer's when that buffer
+    is about to run dry, and after some of theirs when it holds plenty; its
+    tokens are what the lost engine would have gone on to generate."""
+    from tokenflow.core.config import CARRIED_KEY, WAITED_KEY
+
+    # A tail of 24: more than one wave of first tokens (ranked as a newcomer,
+    # the continuation came in the second wave).
+    burst = Burst(late=24)
+    rid, prompt, n, rate = next(iter(burst.items()))
+    sent = stock.tokens[rid][:40]  # the stand-in model's tokens depend on the context only
+
+    def add_continuation(loop):
+        if loop.step_no == burst.late_after_steps:
+            loop.add("cont", prompt + sent, n - len(sent), rate,
+                     extra={CARRIED_KEY: unread_s * rate, WAITED_KEY: 3.0})
+
+    loop = run_burst(make_loop(TF_ASYNC, {**FAST}), burst, on_step=add_continuation)
+    assert loop.tokens["cont"] == stock.tokens[rid][len(sent):]
+    tail = [f"r{i}" for i in range(burst.requests, burst.requests + burst.late)]
+    cont, others = ttft_steps(loop, ["cont"])[0], ttft_steps(loop, tail)
+    if unread_s < 1:
+        assert cont <= others[0], (cont, others)
+    else:
+        assert cont > others[len(others) // 2], (cont, others)
+    finished_clean(loop)
+
+
 def test_sync_loop_still_pauses_and_matches(stock):
     loop = run_burst(make_loop(TF_SYNC, {**FAST}, async_scheduling=False), BURST)
     s = loop.scheduler.tf_stats

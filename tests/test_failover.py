@@ -17,7 +17,7 @@ from tokenflow.serve.failover import (
     LOST_MESSAGE,
     EngineLost,
     bounce_if_engine_dead,
-    resend_until_first_token,
+    relay,
 )
 
 
@@ -48,7 +48,7 @@ def run(open_stream, resends=2):
     lost = []
 
     async def collect():
-        return [x async for x in resend_until_first_token(open_stream, resends, lost.append)]
+        return [x async for x in relay(open_stream, resends, lost.append)]
     return asyncio.run(collect()), lost
 
 
@@ -136,13 +136,17 @@ def test_replica_with_a_dead_engine_bounces_what_has_not_started():
         bounced([RuntimeError("bad")], dead=False)
 
 
-def test_replica_with_a_dead_engine_ends_a_started_stream_with_the_lost_event():
-    out = bounced([[sse("a")], [sse("b"), VLLM_ERROR, "data: [DONE]\n\n"]], dead=True)
-    assert out[0] == [sse("a")]
-    b, event, done = out[1]  # the batch keeps its token and its [DONE]
-    assert b == sse("b") and done == "data: [DONE]\n\n"
-    err = json.loads(event[len("data: "):])["error"]
-    assert err["code"] == 503 and LOST_MESSAGE in err["message"]
+def test_replica_with_a_dead_engine_raises_engine_lost_mid_stream_too():
+    # The ingress then continues the stream elsewhere (or ends it with the
+    # lost-engine event): the replica's own stream just stops, tokens sent.
+    out = []
+
+    async def collect():
+        async for x in bounce_if_engine_dead(scripted([[sse("a")], [sse("b"), VLLM_ERROR]])[0](), lambda: True):
+            out.append(x)
+    with pytest.raises(EngineLost):
+        asyncio.run(collect())
+    assert out == [[sse("a")]]
 
 
 # --- a real replica killed during a burst ----------------------------------------
@@ -199,17 +203,26 @@ def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
 
 
 def new_record() -> dict:
-    return {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None}
+    return {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None, "ids": set(),
+            "times": []}
 
 
-def _stream(base: str, body: dict, rec: dict | None = None, http=None) -> dict:
-    """A streaming completion read to its end: text, token chunks, error
-    events. `rec` fills as the tokens come, so a test can watch it."""
+READ_RATE = 20  # tokens/s each streaming reader states (and reads at, for the stall figures)
+
+
+def _stream(base: str, body: dict, rec: dict | None = None, http=None, chat: bool = False) -> dict:
+    """A streaming completion (or chat) read to its end: text, token chunks,
+    error events, the ids of its chunks, and when each token count arrived
+    (per-chunk usage). `rec` fills as the tokens come, so a test can watch it."""
+    import time
+
     import httpx
 
     rec = new_record() if rec is None else rec
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with (http or httpx).stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+    rec.setdefault("token_ids", [])
+    body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with (http or httpx).stream("POST", base + path, json=body, timeout=300) as r:
         rec["status"] = r.status_code
         if r.status_code != 200:
             r.read()
@@ -222,22 +235,105 @@ def _stream(base: str, body: dict, rec: dict | None = None, http=None) -> dict:
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     rec["errors"].append(ev["error"])
+                    continue
+                rec["ids"].add(ev["id"])
                 if ev.get("usage"):
+                    if ev["usage"]["completion_tokens"] != rec["tokens"]:
+                        rec["times"].append((time.monotonic(), ev["usage"]["completion_tokens"]))
                     rec["tokens"] = ev["usage"]["completion_tokens"]
                 for ch in ev.get("choices") or ():
-                    if ch.get("text"):
-                        rec["text"] += ch["text"]
+                    rec["token_ids"].extend(ch.get("token_ids") or ())
+                    piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if piece:
+                        rec["text"] += piece
                         rec["chunks"] += 1
     return rec
+
+
+def _stall_s(rec: dict, since: float, rate: float = READ_RATE) -> float:
+    """How long the stream's reader, reading at `rate` from its first token,
+    waited on an empty buffer after `since` (tokenflow.core.buffer's model)."""
+    from tokenflow.core.buffer import ReaderBuffer
+
+    reader, seen, before = ReaderBuffer(rate=rate, arrival_time=rec["times"][0][0]), 0, None
+    for t, count in rec["times"]:
+        if before is None and t > since:
+            before = reader.stall_time(since)
+        reader.on_tokens(t, count - seen)
+        seen = count
+    end = rec["times"][-1][0]
+    return reader.stall_time(end) - (before if before is not None else reader.stall_time(end))
+
+
+def _pair_bodies(model: str, i: int, max_tokens: int, chat: bool):
+    """The streaming and the whole request of pair i: the same prompt, greedy.
+    Even pairs ask for the token ids too (the ledger then shows them)."""
+    words = f"Failover {i}: the river and the mountain"
+    prompt = {"messages": [{"role": "user", "content": words}]} if chat else {"prompt": words}
+    whole = {"model": model, **prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+             "return_token_ids": i % 2 == 0}
+    return {**whole, "consumption_rate": READ_RATE}, whole
+
+
+def _answer(reply, chat: bool) -> str:
+    choice = reply.json()["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http):
+    """Each pair's stream and whole request, interleaved, so both kinds reach
+    both engines at about the same time; the last `chat_pairs` are chats."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(2 * pairs)
+    streams, wholes, live = [], [], []
+    for i in range(pairs):
+        chat = i >= pairs - chat_pairs
+        stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        live.append(new_record())
+        streams.append(pool.submit(_stream, base, stream_body, live[-1], http, chat))
+        wholes.append(pool.submit(http.post, base + path, json=whole_body, timeout=600))
+    return pool, streams, wholes, live
+
+
+def _check_continued(stream_recs, whole_replies, pairs: int, chat_pairs: int, max_tokens: int, what: str,
+                     killed_at: float):
+    """Every stream complete and seamless: one id, the whole answer's usage,
+    [DONE], no error event, and exactly the text of the same prompt's greedy
+    whole answer (so nothing repeated or missing at the splice)."""
+    assert [r.status_code for r in whole_replies] == [200] * pairs, [r.text[:200] for r in whole_replies]
+    assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
+    broken = [(i, s["errors"], s["done"], s["tokens"], len(s["ids"])) for i, s in enumerate(stream_recs)
+              if s["status"] != 200 or s["errors"] or not s["done"] or s["tokens"] != max_tokens or len(s["ids"]) != 1]
+    assert not broken, (f"streams not continued seamlessly after {what}", broken)
+    for i, (s, whole) in enumerate(zip(stream_recs, whole_replies)):
+        text, ids = _answer(whole, chat=i >= pairs - chat_pairs), whole.json()["choices"][0].get("token_ids")
+        k = next((j for j, (a, b) in enumerate(zip(s["text"], text)) if a != b), min(len(s["text"]), len(text)))
+        assert s["text"] == text, (f"pair {i}: the stream's text is not the greedy answer ({what}); from char {k}",
+                                   s["text"][max(0, k - 20):k + 40], text[max(0, k - 20):k + 40])
+        assert s["token_ids"] == (ids or []), f"pair {i}: the ids shown are not the answer's ({what})"
+    stalls = [round(_stall_s(s, killed_at), 2) for s in stream_recs]
+    print(f"{what}: readers' stall at {READ_RATE} tokens/s after the kill, per stream (s): {stalls}, "
+          f"total {sum(stalls):.2f}")
+    return stalls
+
+
+# Each reader may wait this long on an empty buffer after the kill: a
+# continuation must land about inside the buffer a reader at READ_RATE
+# holds (the kill comes as soon as the victim has streams under way, when
+# buffers are still small).
+STALL_BOUND_S = 2.0
 
 
 @pytest.mark.slow
 def test_replica_killed_during_a_burst(serve_app):
     """SIGKILL one engine replica's process while it serves streams (tokens
     flowing) and whole requests (no token yet): the whole ones are re-sent
-    and answer 200 with the same greedy text; its streams end with an SSE
-    error event and [DONE]; the survivor's streams finish; Serve restarts
-    the replica and the router sends it work again."""
+    and answer 200 with the same greedy text; its streams, completions and
+    chats, are continued on the other engine with nothing repeated or
+    missing and the reader never left waiting long; Serve restarts the
+    replica and the router sends it work again."""
     import os
     import signal
     import time
@@ -247,54 +343,28 @@ def test_replica_killed_during_a_burst(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=300)
-    max_tokens = 2000  # long enough that the burst is still running at the kill
-    prompts = [f"Failover {i}: the river and the mountain" for i in range(32)]
-    stream_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
-                             "temperature": 0, "consumption_rate": 20}
-    whole_body = lambda p: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
-                            "temperature": 0}
-
-    # Interleaved, so both kinds reach both engines at about the same time;
-    # 32 requests of 2,000 tokens keep both engines busy for many seconds.
+    max_tokens, pairs, chat_pairs = 2000, 16, 4  # long enough that the burst is still running at the kill
     http = _burst_client(base)
-    pool = ThreadPoolExecutor(32)
-    streams, wholes, live = [], [], []
-    for i, p in enumerate(prompts):
-        if i % 2:
-            wholes.append(pool.submit(http.post, base + "/v1/completions", json=whole_body(p), timeout=600))
-        else:
-            live.append(new_record())
-            streams.append(pool.submit(_stream, base, stream_body(p), live[-1], http))
+    lost_before = _engines(base, http)["replicas_lost"]
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
 
     victim = _choose_victim(base, http, live, wholes)
     assert victim["pid"] > 0
     (pool_before,) = _engines(base, http)["kv_pools"].values()
     slot_of = {h["engine_id"]: i for i, h in enumerate(pool_before["shared_memory"]["slots"]) if h}
-    at_kill = [rec["chunks"] for rec in live]
     os.kill(victim["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
 
     stream_recs = [f.result(timeout=600) for f in streams]
     whole_replies = [f.result(timeout=600) for f in wholes]
     pool.shutdown()
     http.close()
 
-    # Whole requests: all answered in full, re-sent where their engine died.
-    assert [r.status_code for r in whole_replies] == [200] * 16, [r.text[:200] for r in whole_replies]
-    assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
-    # Streams: every one ended explicitly ([DONE]); complete or with an error event.
-    cut = [s for s in stream_recs if s["errors"]]
-    assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
-    assert cut, ("the victim's streams ended without an error event", victim, at_kill,
-                 [(s["chunks"], s["tokens"]) for s in stream_recs])
-    for s in cut:
-        assert s["errors"][0]["code"] == 503 and s["chunks"] > 0 and s["tokens"] is None
-    assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"]), stream_recs
-    lost = _engines(base)["replicas_lost"]
-    assert lost["ended_mid_stream"] >= len(cut) and lost["resent"] >= 1, lost
-
-    # A re-sent answer is the answer: greedy, same text as a fresh run.
-    again = httpx.post(base + "/v1/completions", json=whole_body(prompts[1]), timeout=600).json()
-    assert again["choices"][0]["text"] == whole_replies[0].json()["choices"][0]["text"]
+    stalls = _check_continued(stream_recs, whole_replies, pairs, chat_pairs, max_tokens, "a replica killed",
+                              killed_at)
+    lost = {k: v - lost_before.get(k, 0) for k, v in _engines(base)["replicas_lost"].items()}
+    assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["ended_mid_stream"] == 0, lost
+    assert max(stalls) < STALL_BOUND_S, stalls
 
     # Serve restarts the replica (a new id); the router then sends it work.
     (newcomer, *_) = [e for e in _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -337,10 +407,10 @@ def _engine_core_of(replica_pid: int):
 def test_engine_core_killed_with_its_replica_alive(serve_app):
     """SIGKILL one replica's vLLM EngineCore (the replica process lives on,
     as when a GPU engine dies): whole requests that had not finished are
-    re-sent and answer 200 in full; its started streams end with the 503
-    error event and [DONE]; the engine leaves the routing at once, so new
-    requests all succeed while Serve's health check replaces the replica;
-    /health stays 200 (the other engine serves)."""
+    re-sent and answer 200 in full; its started streams, completions and
+    chats, are continued on the other engine, seamlessly; the engine leaves
+    the routing at once, so new requests all succeed while Serve's health
+    check replaces the replica; /health stays 200 (the other engine serves)."""
     import os
     import signal
     import time
@@ -350,26 +420,16 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
 
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=600)
-    max_tokens = 1500
-    body = lambda p, **kw: {"model": model, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True,
-                            "temperature": 0, **kw}
+    max_tokens, pairs, chat_pairs = 1500, 12, 3
     http = _burst_client(base)
-    pool = ThreadPoolExecutor(24)
-    streams, wholes, live = [], [], []
-    for i in range(24):
-        p = f"Engine core {i}: the river and the mountain"
-        if i % 2:
-            wholes.append(pool.submit(http.post, base + "/v1/completions", json=body(p), timeout=600))
-        else:
-            live.append(new_record())
-            streams.append(pool.submit(_stream, base, body(p, consumption_rate=20), live[-1], http))
+    lost_before = _engines(base, http)["replicas_lost"]
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
 
     victim = _choose_victim(base, http, live, wholes)
     core = _engine_core_of(victim["pid"])
     assert core is not None, "no EngineCore process under the replica"
-    lost_before = _engines(base, http)["replicas_lost"]
-    at_kill = [rec["chunks"] for rec in live]
     core.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
 
     # It leaves the routing within a few pushes, while its replica lives on.
     deadline = time.monotonic() + 30
@@ -379,29 +439,24 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     os.kill(victim["pid"], 0)  # raises if the replica process is gone
     health = http.get(base + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["engines"] >= 1, health.text
-    # New requests meanwhile all succeed (none routed to the dead engine fails).
+    # New requests meanwhile all succeed (none routed to the dead engine
+    # fails). Through the burst's client: making a client per request starved
+    # the stream readers' threads here (gaps of 10-19 s, measured).
     short = {"model": model, "prompt": "while it is replaced", "max_tokens": 8, "temperature": 0}
     with ThreadPoolExecutor(8) as p:
-        replies = list(p.map(lambda _: httpx.post(base + "/v1/completions", json=short, timeout=300), range(16)))
+        replies = list(p.map(lambda _: http.post(base + "/v1/completions", json=short, timeout=300), range(16)))
     assert [r.status_code for r in replies] == [200] * 16, [r.text[:200] for r in replies]
 
     stream_recs = [f.result(timeout=600) for f in streams]
     whole_replies = [f.result(timeout=600) for f in wholes]
     pool.shutdown()
     http.close()
-    assert [r.status_code for r in whole_replies] == [200] * 12, [r.text[:200] for r in whole_replies]
-    assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
-    assert all(s["status"] == 200 and s["done"] for s in stream_recs), stream_recs
-    cut = [s for s in stream_recs if s["errors"]]
-    assert cut, ("no stream of the victim ended with an error event", victim, at_kill,
-                 [(s["chunks"], s["tokens"]) for s in stream_recs])
-    for s in cut:
-        assert s["errors"][0]["code"] == 503 and LOST_MESSAGE in s["errors"][0]["message"] and s["chunks"] > 0
-    assert all(s["tokens"] == max_tokens for s in stream_recs if not s["errors"])
-    # The ingress counts its re-sends; the cut streams were ended by the
-    # replica itself (its event replaces vLLM's), not seen as a loss there.
-    lost = {k: v - lost_before[k] for k, v in _engines(base)["replicas_lost"].items()}
-    assert lost["resent"] >= 1 and lost["gave_up"] == 0, lost
+    stalls = _check_continued(stream_recs, whole_replies, pairs, chat_pairs, max_tokens, "an engine core killed",
+                              killed_at)
+    lost = {k: v - lost_before.get(k, 0) for k, v in _engines(base)["replicas_lost"].items()}
+    assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["gave_up"] == 0, lost
+    assert lost["ended_mid_stream"] == 0, lost
+    assert max(stalls) < STALL_BOUND_S, stalls
 
     # Serve's health check replaces the replica; later tests get two engines again.
     _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -450,7 +505,7 @@ def test_a_resend_cancels_the_attempt_it_abandons():
             yield item
 
     async def collect():
-        stream = resend_until_first_token(lambda: attempts.open(serve_llm_get_response), 2, None, 0.0,
+        stream = relay(lambda: attempts.open(serve_llm_get_response), 2, None, 0.0,
                                           attempts.abandon)
         return [x async for x in stream]
 

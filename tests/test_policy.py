@@ -189,7 +189,7 @@ def reference_key(cfg, r, eng):
             return KEEP_RUNNING, b / rate
         # the batch work the swap adds: a recompute without a host tier
         bonus = (0.0 if eng.transfer_tps else n * load) * (eng.decode_tps or step_rate)
-    elif r.phase is Phase.PAUSED:
+    elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
@@ -214,6 +214,7 @@ def tied_populations(draw):
             num_output=out, max_tokens=out + draw(st.sampled_from([1, 50, 500])),
             num_tokens=16 + out, blocks=draw(st.sampled_from([1, 2, 8])), kv_resident=resident,
             host_blocks=0 if resident else draw(st.sampled_from([0, 1, 8])),
+            reading=phase == Phase.WAITING and draw(st.booleans()),  # a continued stream
         ))
     total = draw(st.integers(4, 200))
     used = sum(r.blocks for r in reqs if r.kv_resident)
@@ -343,6 +344,24 @@ def test_newcomers_that_fit_now_are_never_deferred():
     d = policy.decide(reqs, eng)
     assert d.admit == [f"w{i}" for i in range(32)]  # every free slot, earliest first
     assert set(d.admit) | set(d.defer) | set(d.wait) == {r.req_id for r in reqs}
+
+
+def test_a_continued_stream_jumps_ahead_of_newcomers_only_when_its_reader_runs_dry():
+    """A stream continued from a lost engine waits like a newcomer, but its
+    reader reads on: with 0.2 s of text left it is admitted before the
+    newcomers; with 10 s left the newcomers go first."""
+    policy = TokenFlowPolicy(TokenFlowConfig(dt=0.5))
+    eng = EngineView(16, 40, 20, 4, decode_tps=400.0, step_rate=100.0, prefill_tps=5e3)
+    running = [RequestView(f"run{i}", Phase.RUNNING, 0.0, 10.0, 0.0, 50, 400, 100, 7, True) for i in range(2)]
+    newcomers = [RequestView(f"new{i}", Phase.WAITING, 5.0 + i, 10.0, 0.0, 0, 400, 40, 3) for i in range(4)]
+
+    def admitted(buffer_s: float) -> list[str]:
+        cont = RequestView("cont", Phase.WAITING, 6.0, 10.0, 10.0 * buffer_s, 0, 300, 140, 9, reading=True)
+        d = policy.decide(running + newcomers + [cont], eng)
+        return [i for i in d.order if i not in {r.req_id for r in running}]
+
+    assert admitted(0.2)[0] == "cont"
+    assert "cont" not in admitted(10.0)[:2]
 
 
 def test_bench_policy_against_another_policy_module(tmp_path):

@@ -204,11 +204,13 @@ class Loop:
     def scheduler(self):
         return self.core.scheduler
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, rate: float | None = None) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, rate: float | None = None,
+            extra: dict | None = None) -> None:
+        """`extra`: more of `SamplingParams.extra_args` (vllm_xargs on the API)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        extra = {"consumption_rate": rate} if rate is not None else None
+        extra = {**({"consumption_rate": rate} if rate is not None else {}), **(extra or {})} or None
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         req = Request(rid, list(prompt), sp, None, arrival_time=self.clock.t,
                       block_hasher=self.core.request_block_hasher)

@@ -61,6 +61,17 @@ class ReaderBuffer:
         if not (self.rate > 0 and math.isfinite(self.rate)):
             raise ValueError(f"consumption rate must be a positive number, got {self.rate!r}")
 
+    @classmethod
+    def continued(cls, rate: float, arrival_time: float, now: float, unread: float) -> "ReaderBuffer":
+        """A reader who began this answer elsewhere (a stream continued from a
+        lost engine) and holds `unread` tokens at `now`: it reads on from
+        there, and stalls when they run out before new tokens come."""
+        r = cls(rate=rate, arrival_time=arrival_time)
+        r.first_token_time = r._clock = now
+        r.delivered = math.ceil(max(0.0, unread))
+        r._position = r.delivered - max(0.0, unread)
+        return r
+
     def _advance(self, t: float) -> None:
         if self.first_token_time is None or t <= self._clock:
             return

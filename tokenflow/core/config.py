@@ -62,6 +62,26 @@ class TokenFlowConfig(Settings):
 
 DEFAULT_RATE = TokenFlowConfig.model_fields["default_rate"].default
 
+# `vllm_xargs` keys of a stream continued from a lost engine
+# (tokenflow/serve/continuation.py): its reader's unread tokens when it was
+# handed over, and the seconds since the client sent it. The scheduler ranks
+# it by when that buffer runs dry, like a paused request.
+CARRIED_KEY = "tokenflow_carried_tokens"
+WAITED_KEY = "tokenflow_waited_s"
+
+
+def parse_carried(xargs: dict | None) -> tuple[float, float] | None:
+    """(unread tokens, seconds waited) of a continued stream; None for any
+    other request, or when the values are not finite numbers >= 0."""
+    if not xargs or CARRIED_KEY not in xargs:
+        return None
+    try:
+        unread, waited = float(xargs[CARRIED_KEY]), float(xargs.get(WAITED_KEY, 0.0))
+    except (TypeError, ValueError):
+        return None
+    ok = all(math.isfinite(v) and v >= 0 for v in (unread, waited))
+    return (unread, waited) if ok else None
+
 
 def parse_rate(value, cfg: TokenFlowConfig) -> float:
     """Validate a client-stated consumption rate (tokens/s); None -> default."""

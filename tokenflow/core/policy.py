@@ -22,7 +22,10 @@ Steps, as in the paper:
     return (reload or recompute, one step) plus the interval to the next
     decision, times mu; a running request may be paused only with a buffer
     above that level by one interval plus the swap's own cost (evict,
-    reload, a step out), so every pause lasts at least one interval.
+    reload, a step out), so every pause lasts at least one interval. A
+    waiting request whose reader has begun (a stream continued from a lost
+    engine, or one vLLM preempted) is a released pause: it jumps ahead of
+    newcomers only when its buffer nears that level.
  5. Priority: U_i = (useful tokens in the next dt) + gamma * exp(-b_i / r_i).
     The paper writes the penalty as a cost of *pausing*; ranking by the
     value of *running* adds it instead. A running request's U also counts
@@ -76,6 +79,9 @@ class RequestView:
     blocks: int  # KV blocks it needs resident to run
     kv_resident: bool = False  # its blocks are on the accelerator now
     host_blocks: int = 0  # of its blocks, how many the host tier holds
+    # Its reader has begun and reads from its buffer while it waits: a
+    # stream continued from a lost engine, or one vLLM preempted.
+    reading: bool = False
 
     @property
     def buffer_s(self) -> float:
@@ -321,7 +327,7 @@ class TokenFlowPolicy:
                 # "The slow-reader waves, traced": a whole step charged at
                 # the engine's capacity kept newcomers out for seconds).
                 bonus = batch_load * n * capacity
-            elif phase is paused:
+            elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
                     resume.append((b / rate, r))

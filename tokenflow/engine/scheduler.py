@@ -41,7 +41,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import TokenFlowConfig, parse_rate
+from tokenflow.core.config import TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.meters import EngineMeters
 from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
 from tokenflow.core.sched_state import SchedulerState, SchedulerStats
@@ -111,8 +111,17 @@ class TokenFlowMixin:
             # user gets the default rather than a dead engine.
             logger.warning("request %s: bad consumption_rate %r, using default", request.request_id, value)
             rate = self.tf_config.default_rate
-        self.readers[request.request_id] = ReaderBuffer(rate=rate, arrival_time=self.clock())
+        self.readers[request.request_id] = self._reader_of(extra, rate)
         self._seen_output[request.request_id] = 0
+
+    def _reader_of(self, extra: dict | None, rate: float) -> ReaderBuffer:
+        """A new request's reader; a stream continued from a lost engine
+        brings its reader's unread tokens along (tokenflow/serve/continuation.py)."""
+        now = self.clock()
+        if (carried := parse_carried(extra)) is None:
+            return ReaderBuffer(rate=rate, arrival_time=now)
+        unread, waited = carried
+        return ReaderBuffer.continued(rate, now - waited, now, unread)
 
     def schedule(self, *args, **kwargs):
         now = self.clock()
@@ -229,7 +238,7 @@ class TokenFlowMixin:
             n = req.num_tokens
             append(view(req_id, phase, reader.arrival_time, reader.rate, reader.level(now),
                         req.num_output_tokens, req.max_tokens, n, (n + bs) // bs, resident,
-                        host(req_id) if host else 0))
+                        host(req_id) if host else 0, reader.first_token_time is not None))
 
     def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
         views: list[RequestView] = []

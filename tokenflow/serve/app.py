@@ -133,6 +133,7 @@ def build_app(args: dict | None = None):
                     if llm_config.lora_config is not None else {}),
         tokenflow_router=a["router"],
         max_resends=a["admission"]["max_resends"],
+        max_continuations=a["admission"]["max_continuations"],
     )
 
 

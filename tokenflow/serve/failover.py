@@ -7,9 +7,10 @@ has not delivered a token yet is re-sent (Serve's router has already
 dropped a dead replica, and a replica without an engine has left the slack
 routing, so the next attempt goes elsewhere); the client sees at most a
 later first token. A stream that has delivered tokens cannot be replayed
-without repeating them, so it ends with an explicit SSE error event (then
-`[DONE]`), never a silent hang or a cut connection; so does a stream cut by
-any other error once tokens went out.
+without repeating them: it is continued on another engine from where it
+was (continuation.py) where that can be done, else it ends with an explicit
+SSE error event (then `[DONE]`), never a silent hang or a cut connection;
+so does a stream cut by any other error once tokens went out.
 
 Chunks with no token (a chat stream's opening role chunk) are held back
 until the first token arrives, so a re-send never shows the client a second
@@ -85,23 +86,26 @@ def unavailable_response(message: str):
 
 
 # What became of a request whose replica was lost (counted by the ingress).
-OUTCOMES = ("resent", "ended_mid_stream", "gave_up")
+OUTCOMES = ("resent", "continued", "ended_mid_stream", "gave_up")
 
 
-async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], resends: int,
-                                   on_lost: Callable[[str], None] | None = None,
-                                   resend_after_s: float = 0.0,
-                                   abandon: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator:
-    """Yield the items of open_stream(); re-open it (at most `resends` times)
-    when the replica is lost before any token went out, `resend_after_s`
-    later (time for the routing to hear of the loss: re-sent at once, a
-    request can go straight back to an engine that has just lost its core).
-    on_lost hears each loss as one of OUTCOMES; abandon() is awaited before
-    each re-send, to cancel what the lost attempt may still be doing (an
-    unreachable replica is not always a dead one)."""
-    for attempt in range(resends + 1):
+async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
+                on_lost: Callable[[str], None] | None = None, resend_after_s: float = 0.0,
+                abandon: Callable[[], Awaitable[None]] | None = None,
+                continue_after: Callable[[], Callable[[], AsyncIterator] | None] | None = None) -> AsyncIterator:
+    """Yield the items of open_stream(). When the replica is lost before any
+    token went out, re-open it (at most `resends` times); after tokens went
+    out, ask continue_after() for a stream that continues the answer on
+    another engine (continuation.py), or None: the stream then ends with the
+    lost-engine error event. Either goes `resend_after_s` later (time for
+    the routing to hear of the loss: re-sent at once, a request can go
+    straight back to an engine that has just lost its core). on_lost hears
+    each loss as one of OUTCOMES; abandon() is awaited before each new
+    attempt, to cancel what the lost one may still be doing (an unreachable
+    replica is not always a dead one)."""
+    flowing, resent = False, 0
+    while True:
         held: list = []
-        flowing = False
         try:
             async for item in open_stream():
                 if flowing:
@@ -123,11 +127,16 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
                 logger.warning(f"TokenFlow ingress: stream failed after its first token: {e!r}")
                 yield lost_event(FAILED_MESSAGE, "InternalServerError", 500)
                 return
-            outcome = "ended_mid_stream" if flowing else "gave_up" if attempt == resends else "resent"
+            if flowing:
+                following = continue_after() if continue_after is not None else None
+                outcome = "ended_mid_stream" if following is None else "continued"
+            else:
+                following = open_stream if resent < resends else None
+                outcome = "gave_up" if following is None else "resent"
+                resent += following is not None
             if on_lost is not None:
                 on_lost(outcome)
-            logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}; "
-                           f"attempt {attempt + 1} of {resends + 1}): {e!r}")
+            logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}): {e!r}")
             if outcome == "ended_mid_stream":
                 yield lost_event(LOST_MID_STREAM)
                 return
@@ -135,6 +144,7 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
                 yield unavailable_response(f"{LOST_MESSAGE} before the first token, "
                                            f"{resends} re-sends failed too; retry later")
                 return
+            open_stream = following
             if abandon is not None:
                 await abandon()
             if resend_after_s > 0:
@@ -143,27 +153,21 @@ async def resend_until_first_token(open_stream: Callable[[], AsyncIterator], res
 
 async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) -> AsyncIterator:
     """A replica's response stream, where a failure caused by its dead
-    EngineCore raises EngineLost while no token has gone out (so that the
-    ingress re-sends the request), and after that ends the stream with the
-    same event as a lost replica. vLLM ends a stream whose engine died with
-    its own error event, and raises for a whole request."""
-    flowing = False
+    EngineCore raises EngineLost, as a lost replica does on the ingress's
+    side: before the first token the ingress re-sends the request, after it
+    continues the stream elsewhere or ends it with the lost-engine event.
+    vLLM ends a stream whose engine died with its own error event, and
+    raises for a whole request. A batch that holds tokens and that event is
+    dropped whole: the ingress never relayed its tokens, so a continuation
+    generates them again."""
     try:
         async for item in gen:
             if dead() and is_error_event(item):  # dead() first: a cheap read on every chunk
-                if not flowing and not carries_token(item):
-                    raise EngineLost(CORE_DIED)
-                event = lost_event(LOST_MID_STREAM)
-                if isinstance(item, (list, tuple)):  # a batch: keep its tokens and its [DONE]
-                    item = [event if is_error_event(x) else x for x in item]
-                else:
-                    item = event
-            if not flowing:  # parsed only until the first token: this is every chunk's path
-                flowing = carries_token(item)
+                raise EngineLost(CORE_DIED)
             yield item
     except EngineLost:
         raise
     except Exception as e:
-        if flowing or not dead():
+        if not dead():
             raise
         raise EngineLost(f"{CORE_DIED}: {e!r}") from None

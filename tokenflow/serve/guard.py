@@ -102,6 +102,10 @@ class AdmissionSettings(Settings):
                                                            "/health); beyond it: 429. null: no bound.")
     max_resends: Amount = Field(2, description="Re-sends of a request whose engine replica died before its first "
                                                "token (tokenflow/serve/failover.py).")
+    max_continuations: Amount = Field(2, description="Times a stream whose engine is lost after its first token "
+                                                     "is continued on another engine (tokenflow/serve/"
+                                                     "continuation.py); then, or with 0, it ends with an SSE "
+                                                     "error event.")
 
 
 class KeyFileError(RuntimeError):

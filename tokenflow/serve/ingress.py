@@ -1,5 +1,6 @@
 """The OpenAI ingress: ray.serve.llm's OpenAI API, re-sends of requests
-whose engine died before their first token (failover.py), GET /health, and
+whose engine died before their first token (failover.py), continuation of
+streams whose engine died after it (continuation.py), GET /health, and
 GET /v1/tokenflow/engines (what the slack routing sees).
 """
 
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
 
-from tokenflow.serve import failover, kv_pool
+from tokenflow.serve import continuation, failover, kv_pool
 from tokenflow.serve.ray_private import DEFAULT_ENDPOINTS
 from tokenflow.serve.routing import board, ranking
 
@@ -101,10 +102,11 @@ class TokenFlowIngress(OpenAiIngress):
     """ray.serve.llm's OpenAI ingress plus GET /health and GET /v1/tokenflow/engines."""
 
     def __init__(self, llm_deployments, model_cards, *, tokenflow_router: Optional[dict] = None,
-                 max_resends: int = 2, **kwargs):
+                 max_resends: int = 2, max_continuations: int = 2, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._tf_settings = ranking.RoutingSettings.from_dict(tokenflow_router)
         self._tf_max_resends = max_resends
+        self._tf_max_continuations = max_continuations
         self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
         self._tf_boards = None  # handles to the app's state boards
         # Serve creates a handle's request router on its first call. Make one
@@ -129,12 +131,26 @@ class TokenFlowIngress(OpenAiIngress):
 
     async def _get_response(self, *, body, call_method: str, raw_request=None):
         # A replica that dies under a request: re-send it if no token went
-        # out yet, else end the stream with an error event (failover.py).
+        # out yet, else continue the stream on another engine or end it with
+        # an error event (failover.py, continuation.py).
         attempts = Attempts()
+        ledger = None
+        if self._tf_max_continuations and continuation.continuable(body, call_method):
+            ledger = continuation.Ledger(body, call_method, self._tf_settings.reader_rate)
+
+        def call(request, method):
+            return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
+                body=request, call_method=method, raw_request=raw_request))
 
         def open_stream():
-            return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
-                body=body, call_method=call_method, raw_request=raw_request))
+            gen = call(body, call_method)
+            return ledger.watch(gen) if ledger is not None else gen
+
+        def continue_after():
+            if ledger is None or ledger.continued >= self._tf_max_continuations:
+                return None
+            request = ledger.continuation()
+            return None if request is None else lambda: ledger.splice(call(request, "completions"))
 
         # A lost engine leaves the slack routing within a push and a long
         # poll; a re-send waits that long so it goes elsewhere.
@@ -142,8 +158,8 @@ class TokenFlowIngress(OpenAiIngress):
                   if self._tf_settings.enabled else 0.0)
         whole = False  # a whole answer (or an error) came back: the engine call is over
         try:
-            async for item in failover.resend_until_first_token(open_stream, self._tf_max_resends,
-                                                                self._tf_on_lost, settle, attempts.abandon):
+            async for item in failover.relay(open_stream, self._tf_max_resends, self._tf_on_lost, settle,
+                                             attempts.abandon, continue_after):
                 whole = not isinstance(item, (str, list))  # stream chunks are SSE text, or lists of it
                 yield item
         except (asyncio.CancelledError, GeneratorExit):

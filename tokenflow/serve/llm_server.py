@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.llm import LLMServer
 from ray.serve.llm.openai_api_models import ErrorResponse
 
-from tokenflow.core.config import TokenFlowConfig, parse_rate
+from tokenflow.core.config import TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
 from tokenflow.serve.failover import CORE_DIED, EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
@@ -134,10 +134,11 @@ class TokenFlowLLMServer(LLMServer):
         if not hasattr(gen, "__aiter__"):
             return gen
         gen = bounce_if_engine_dead(gen, self._engine_dead)
-        return tracked(gen, self._tracker, rate=float(request.vllm_xargs[RATE_KEY]),
+        xargs = request.vllm_xargs
+        return tracked(gen, self._tracker, rate=float(xargs[RATE_KEY]),
                        stream=bool(getattr(request, "stream", False)), arrival=arrival,
                        # usage counts every choice; the deltas only choice 0
-                       use_usage=(getattr(request, "n", 1) or 1) == 1)
+                       use_usage=(getattr(request, "n", 1) or 1) == 1, carried=parse_carried(xargs))
 
     async def chat(self, request, raw_request_info=None):
         arrival = time.monotonic()

@@ -41,10 +41,15 @@ class EngineTracker:
         self.peak_tps = 0.0
         self.tokens_total = 0
 
-    def open(self, rate: float, stream: bool, arrival: float) -> int:
+    def open(self, rate: float, stream: bool, arrival: float, carried: tuple[float, float] | None = None) -> int:
+        """`carried`: (unread tokens, seconds since the client sent it) of a
+        stream continued from a lost engine, whose reader has begun."""
         self._next += 1
         self.received_total += 1
-        if stream:
+        if stream and carried is not None:
+            unread, waited = carried
+            self._streams[self._next] = ReaderBuffer.continued(rate, arrival - waited, arrival, unread)
+        elif stream:
             self._streams[self._next] = ReaderBuffer(rate=rate, arrival_time=arrival)
         else:
             self._unary.add(self._next)
@@ -65,7 +70,7 @@ class EngineTracker:
         if reader is not None:
             if reader.first_token_time is None:
                 self._tell("on_first_token", now - reader.arrival_time)
-            else:
+            elif reader.arrivals:  # not a continued stream's first tokens here
                 self._tell("on_gap", now - reader.arrivals[-1])
             reader.on_tokens(now, n)
         self._window.append((now, n))
@@ -121,12 +126,13 @@ class EngineTracker:
 
 
 async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, stream: bool,
-                  arrival: float, use_usage: bool = True) -> AsyncGenerator:
+                  arrival: float, use_usage: bool = True,
+                  carried: tuple[float, float] | None = None) -> AsyncGenerator:
     """Yield what `gen` yields, counting its tokens into `tracker`.
 
     The request is opened when iteration starts (Serve starts it at once) and
     closed in `finally`, so a cancelled or failed stream never stays open."""
-    handle = tracker.open(rate, stream, arrival)
+    handle = tracker.open(rate, stream, arrival, carried)
     counted = 0
     status = "cancelled"  # unless it ends normally or fails
     try:

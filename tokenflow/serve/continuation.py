@@ -1,0 +1,240 @@
+"""Continuing a stream on another engine when its engine is lost mid-answer.
+
+The ingress keeps a `Ledger` for each stream it relays that can be
+continued: the prompt's token ids and the ids sent so far (asked of vLLM
+with `return_token_ids`, read from each chunk without parsing it, and
+hidden again when the client did not ask for them), and the reader's buffer
+(the same ReaderBuffer model the scheduler uses). When the engine is lost
+after the first token, `continuation()` is a completions request for the
+rest: prompt = prompt ids + sent ids, max_tokens less what was sent, the
+same sampling, and the reader's buffer in `vllm_xargs`, so the engine's
+policy ranks it by how soon its reader runs dry. `splice()` rewrites that
+request's chunks into the client's stream: the same id and created time,
+the chat chunk shape for a chat stream, usage counting the whole answer.
+
+What is not continued (such a stream ends with the lost-engine error event,
+as before): n > 1, logprobs, echo, stop strings (vLLM holds back text that
+may start one, so the text sent can lag the ids sent), tools, structured
+output, several prompts in one request. A seeded sampled stream continues
+with a different random stream after the splice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, AsyncIterator
+
+from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.core.config import CARRIED_KEY, WAITED_KEY
+
+RATE_KEY = "consumption_rate"
+
+# Where vLLM (compact JSON) writes the ids. A quote inside a string is
+# escaped, so text cannot match; `"token_ids":[` is not inside the other.
+_PROMPT_IDS = '"prompt_token_ids":['
+_TOKEN_IDS = '"token_ids":['
+_ID = re.compile(r'"id":"([^"]*)"')
+_CREATED = re.compile(r'"created":(\d+)')
+
+# Sampling fields a chat request and a completions request share, carried
+# over to the continuation as they are.
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+            "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words", "priority",
+            "include_stop_str_in_output", "user")
+
+
+def continuable(body: Any, call_method: str) -> bool:
+    """Whether a request is a stream this module can continue (module doc)."""
+    if call_method not in ("chat", "completions") or not getattr(body, "stream", False):
+        return False
+    if (getattr(body, "n", 1) or 1) != 1 or getattr(body, "logprobs", None) or getattr(body, "stop", None):
+        return False
+    if getattr(body, "structured_outputs", None) is not None:
+        return False
+    if call_method == "completions":
+        prompt = body.prompt
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+        return single and not body.echo and not getattr(body, "suffix", None)
+    fmt = getattr(body, "response_format", None)
+    return (not getattr(body, "tools", None) and not getattr(body, "top_logprobs", None)
+            and (fmt is None or getattr(fmt, "type", "text") == "text"))
+
+
+class Ledger:
+    """What the ingress keeps of one stream to continue it elsewhere. Every
+    chunk of every such stream passes `_note`, so it only slices the ids'
+    text out; they are parsed, and the reader's buffer worked out, only when
+    a continuation needs them."""
+
+    def __init__(self, body: Any, call_method: str, default_rate: float, clock=time.monotonic):
+        self.body = body
+        self.chat = call_method == "chat"
+        self.clock = clock
+        # The client asked for the ids itself: leave them in its chunks.
+        self.show_ids = bool(getattr(body, "return_token_ids", False))
+        body.return_token_ids = True
+        self.prompt_ids: list[int] | None = None
+        self.stream_id: str | None = None
+        self.created: int | None = None
+        self.continued = 0  # continuations opened so far
+        self.rate = _rate_of(body, default_rate)
+        self.arrival = clock()
+        self._ids: list[int] = []  # sent, parsed
+        self._raw: list[str] = []  # sent, as the chunks' text ("5,81,7"), not parsed yet
+        self._sent = 0  # ids sent
+        # Ids sent up to the last chunk that carried text. vLLM holds back
+        # the text of a token that ends inside a UTF-8 character (the chunk's
+        # text is empty); continued from there, its detokenizer would start
+        # with the whole prompt's text. Such ids are generated again instead.
+        self._committed = 0
+        self._repeat = 0  # ids the continuation generates again (hidden from a client that sees ids)
+        self._times: list[tuple[float, int]] = []  # (when, how many) of each chunk with tokens
+
+    @property
+    def sent_ids(self) -> list[int]:
+        if self._raw:
+            self._ids.extend(int(x) for part in self._raw for x in part.split(","))
+            self._raw.clear()
+        return self._ids
+
+    def reader(self) -> ReaderBuffer:
+        """The reader's buffer model, fed with every token sent so far."""
+        r = ReaderBuffer(rate=self.rate, arrival_time=self.arrival)
+        for t, n in self._times:
+            r.on_tokens(t, n)
+        return r
+
+    # --- the stream as first opened ------------------------------------
+    async def watch(self, gen: AsyncIterator) -> AsyncIterator:
+        """Yield the engine's items, noting the ids they carry."""
+        async for item in gen:
+            yield self._note(item)
+
+    def _note(self, item: Any) -> Any:
+        if isinstance(item, list):
+            return [self._note(x) for x in item]
+        if not isinstance(item, str):
+            return item
+        if self.prompt_ids is None and (i := item.find(_PROMPT_IDS)) >= 0:
+            j = item.find("]", i)
+            self.prompt_ids = json.loads(item[i + len(_PROMPT_IDS) - 1:j + 1])
+            m, c = _ID.search(item), _CREATED.search(item)
+            self.stream_id, self.created = (m.group(1) if m else None), (int(c.group(1)) if c else None)
+            if not self.show_ids:
+                item = item[:i] + '"prompt_token_ids":null' + item[j + 1:]
+        start, n, parts = 0, 0, []
+        while (i := item.find(_TOKEN_IDS, start)) >= 0:  # one per choice (n == 1: one)
+            j = item.find("]", i)
+            if ids := item[i + len(_TOKEN_IDS):j]:
+                self._raw.append(ids)
+                n += ids.count(",") + 1
+            parts.append(item[start:i])
+            start = j + 1
+        if n:
+            self._times.append((self.clock(), n))
+            self._sent += n
+            if not _held_back(item):
+                self._committed = self._sent
+        if not parts or self.show_ids:
+            return item
+        parts.append(item[start:])
+        return '"token_ids":null'.join(parts)
+
+    # --- the continuation ------------------------------------------------
+    def continuation(self):
+        """The completions request that finishes this answer, or None when
+        there is nothing to continue from (no prompt ids seen, or nothing
+        left to generate)."""
+        from ray.serve.llm.openai_api_models import CompletionRequest
+
+        if self.prompt_ids is None or self.stream_id is None:
+            return None
+        body = self.body
+        sent = self.sent_ids
+        self._repeat += len(sent) - self._committed
+        del sent[self._committed:]
+        self._sent = len(sent)
+        limit = (getattr(body, "max_completion_tokens", None) or body.max_tokens) if self.chat else body.max_tokens
+        left = None if limit is None else limit - len(sent)
+        if left is not None and left <= 0:
+            return None
+        now = self.clock()
+        xargs = dict(body.vllm_xargs or {})
+        xargs[RATE_KEY] = self.rate
+        xargs[CARRIED_KEY] = round(self.reader().buffer(now), 3)
+        xargs[WAITED_KEY] = round(now - self.arrival, 3)
+        fields = {k: getattr(body, k) for k in SAMPLING
+                  if k in body.model_fields_set and k in CompletionRequest.model_fields}
+        if getattr(body, "min_tokens", 0):
+            fields["min_tokens"] = max(0, body.min_tokens - len(sent))
+        self.continued += 1
+        return CompletionRequest(model=body.model, prompt=self.prompt_ids + sent, max_tokens=left,
+                                 stream=True, stream_options=body.stream_options, return_token_ids=True,
+                                 vllm_xargs=xargs, **fields)
+
+    async def splice(self, gen: AsyncIterator) -> AsyncIterator:
+        """Yield a continuation's items as parts of the client's stream."""
+        base = len(self.sent_ids)
+        async for item in gen:
+            yield self._rewrite(item, base)
+
+    def _rewrite(self, item: Any, base: int) -> Any:
+        if isinstance(item, list):
+            return [self._rewrite(x, base) for x in item]
+        if not isinstance(item, str) or not item.startswith("data: {"):
+            return item  # [DONE], or an object the ingress handles itself
+        ev = json.loads(item[6:])
+        if "error" in ev:
+            return item
+        n = 0
+        choices = []
+        for ch in ev.get("choices") or ():
+            ids = ch.get("token_ids") or []
+            self.sent_ids.extend(ids)
+            n += len(ids)
+            shown, self._repeat = ids[self._repeat:], max(0, self._repeat - len(ids))
+            choices.append(self._as_chat(ch, shown) if self.chat else
+                           {**ch, "prompt_token_ids": None, "token_ids": shown if self.show_ids else None})
+            if ids and ch.get("text") and not ch["text"].endswith("\ufffd"):
+                self._committed = len(self.sent_ids)
+        if n:
+            self._times.append((self.clock(), n))
+            self._sent += n
+        out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else ev.get("object"),
+               "created": self.created if self.created is not None else ev.get("created"),
+               "model": ev.get("model"), "choices": choices}
+        if ev.get("usage"):
+            prompt, done = len(self.prompt_ids), base + ev["usage"]["completion_tokens"]
+            out["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+        return f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
+
+    def _as_chat(self, ch: dict, ids: list[int]) -> dict:
+        """A completions choice as the chat chunk's choice vLLM would send."""
+        out = {"index": 0, "delta": {"content": ch["text"]} if ch.get("text") else {}, "logprobs": None,
+               "finish_reason": ch.get("finish_reason"), "token_ids": ids if self.show_ids else None}
+        if ch.get("finish_reason") is not None:
+            out["stop_reason"] = ch.get("stop_reason")
+        return out
+
+
+def _held_back(chunk: str) -> bool:
+    """Whether an SSE chunk with ids may end inside a character: no text
+    (completions: empty text; chat: an empty delta), or text that ends in
+    U+FFFD (bytes the detokenizer could not complete yet)."""
+    return '"text":""' in chunk or '"delta":{}' in chunk or '\ufffd"' in chunk or '\\ufffd"' in chunk
+
+
+def _rate_of(body: Any, default: float) -> float:
+    """The reader's rate as the replica will read it; a bad one is the
+    replica's to reject (400), so here it falls back to the default."""
+    value = (body.model_extra or {}).get(RATE_KEY)
+    if value is None:
+        value = (body.vllm_xargs or {}).get(RATE_KEY)
+    try:
+        rate = float(value) if value is not None and not isinstance(value, bool) else default
+    except (TypeError, ValueError):
+        return default
+    return rate if 0 < rate < float("inf") else default
