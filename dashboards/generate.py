@@ -122,6 +122,16 @@ def overview() -> dict:
                    "choose_replicas"),
             target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_state_age_seconds", "bucket")}{RI})))',
                    "age of the chosen engine's state")], "s"),
+        panel("Engine losses", [
+            target(f'sum by (outcome) (rate({X("tokenflow_engine_losses")}{RI}))', "{{outcome}}")], "reqps",
+            "Requests whose engine replica or EngineCore was lost under them: re-sent before the first token, "
+            "continued on another engine after it (tokenflow/serve/continuation.py), or ended with an error "
+            "event."),
+        panel("Continuations: readers left waiting", [
+            target(f'sum(rate({X("tokenflow_continuation_stall_seconds")}{RI}))', "seconds waited, per s"),
+            target(f'sum(rate({X("tokenflow_continuation_stalls")}{RI}))', "readers that ran dry, per s")],
+            "short", "Continued streams whose reader emptied its buffer before the continuation's first token; "
+                     "tokenflow_continuation_gap_seconds has each splice's gap."),
     ] + client_panels())
 
 

@@ -149,6 +149,21 @@ def test_ids_whose_text_was_held_back_are_generated_again():
     assert other.continuation().prompt == PROMPT + [1]
 
 
+def test_each_splice_reports_the_gap_and_the_readers_wait():
+    now, heard = [0.0], []
+    ledger = Ledger(completions_body(vllm_xargs={"consumption_rate": 10}), "completions", 40,
+                    clock=lambda: now[0], on_splice=lambda gap, stall: heard.append((gap, stall)))
+    ledger._note(completion_chunk("cmpl-1", "ab", [1, 2], prompt=PROMPT))  # 0.2 s of reading at t=0
+    now[0] = 0.5
+    ledger.continuation()
+    now[0] = 0.7
+    ledger.continuation()  # the first continuation was lost too: the gap runs on
+    now[0] = 1.0
+    ledger._rewrite(completion_chunk("cmpl-2", "c", [3]), base=2)
+    ledger._rewrite(completion_chunk("cmpl-2", "d", [4]), base=2)
+    assert heard == [(pytest.approx(1.0), pytest.approx(0.8))]
+
+
 def test_bad_carried_values_are_ignored():
     assert parse_carried({CARRIED_KEY: "lots"}) is None
     assert parse_carried({CARRIED_KEY: -1}) is None

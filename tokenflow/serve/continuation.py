@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from tokenflow.core.buffer import ReaderBuffer
 from tokenflow.core.config import CARRIED_KEY, WAITED_KEY
@@ -69,8 +69,14 @@ class Ledger:
     text out; they are parsed, and the reader's buffer worked out, only when
     a continuation needs them."""
 
-    def __init__(self, body: Any, call_method: str, default_rate: float, clock=time.monotonic):
+    def __init__(self, body: Any, call_method: str, default_rate: float, clock=time.monotonic,
+                 on_splice: Callable[[float, float], None] | None = None):
+        """on_splice(gap_s, stall_s) hears, at each continuation's first
+        token, how long the reader got no token and how long of that it
+        waited on an empty buffer."""
         self.body = body
+        self.on_splice = on_splice
+        self._gap_from: tuple[float, float] | None = None  # (last token before the loss, buffer then, s)
         self.chat = call_method == "chat"
         self.clock = clock
         # The client asked for the ids itself: leave them in its chunks.
@@ -134,8 +140,14 @@ class Ledger:
             parts.append(item[start:i])
             start = j + 1
         if n:
-            self._times.append((self.clock(), n))
+            now = self.clock()
+            self._times.append((now, n))
             self._sent += n
+            if self._gap_from is not None:
+                last, held = self._gap_from
+                self._gap_from = None
+                if self.on_splice is not None:
+                    self.on_splice(now - last, max(0.0, now - last - held))
             if not _held_back(item):
                 self._committed = self._sent
         if not parts or self.show_ids:
@@ -162,9 +174,13 @@ class Ledger:
         if left is not None and left <= 0:
             return None
         now = self.clock()
+        reader = self.reader()
+        if self._gap_from is None and self._times:
+            last = self._times[-1][0]
+            self._gap_from = (last, reader.buffer(last) / self.rate)
         xargs = dict(body.vllm_xargs or {})
         xargs[RATE_KEY] = self.rate
-        xargs[CARRIED_KEY] = round(self.reader().buffer(now), 3)
+        xargs[CARRIED_KEY] = round(reader.buffer(now), 3)
         xargs[WAITED_KEY] = round(now - self.arrival, 3)
         fields = {k: getattr(body, k) for k in SAMPLING
                   if k in body.model_fields_set and k in CompletionRequest.model_fields}
@@ -201,8 +217,14 @@ class Ledger:
             if ids and ch.get("text") and not ch["text"].endswith("\ufffd"):
                 self._committed = len(self.sent_ids)
         if n:
-            self._times.append((self.clock(), n))
+            now = self.clock()
+            self._times.append((now, n))
             self._sent += n
+            if self._gap_from is not None:
+                last, held = self._gap_from
+                self._gap_from = None
+                if self.on_splice is not None:
+                    self.on_splice(now - last, max(0.0, now - last - held))
         out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else ev.get("object"),
                "created": self.created if self.created is not None else ev.get("created"),
                "model": ev.get("model"), "choices": choices}

@@ -98,6 +98,18 @@ class Attempts:
         task.add_done_callback(_ABANDONING.discard)
 
 
+def _ingress_metrics():
+    """The failover's metrics, labelled with this replica's app and
+    deployment; None outside a Serve replica."""
+    from tokenflow.serve.metrics import IngressMetrics
+
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:
+        return None
+    return IngressMetrics(ctx.app_name, ctx.deployment, failover.OUTCOMES)
+
+
 class TokenFlowIngress(OpenAiIngress):
     """ray.serve.llm's OpenAI ingress plus GET /health and GET /v1/tokenflow/engines."""
 
@@ -108,6 +120,7 @@ class TokenFlowIngress(OpenAiIngress):
         self._tf_max_resends = max_resends
         self._tf_max_continuations = max_continuations
         self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
+        self._tf_metrics = _ingress_metrics()
         self._tf_boards = None  # handles to the app's state boards
         # Serve creates a handle's request router on its first call. Make one
         # call now, so the router has read the engines' states before the
@@ -136,7 +149,8 @@ class TokenFlowIngress(OpenAiIngress):
         attempts = Attempts()
         ledger = None
         if self._tf_max_continuations and continuation.continuable(body, call_method):
-            ledger = continuation.Ledger(body, call_method, self._tf_settings.reader_rate)
+            ledger = continuation.Ledger(body, call_method, self._tf_settings.reader_rate,
+                                         on_splice=self._tf_on_splice)
 
         def call(request, method):
             return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
@@ -174,6 +188,12 @@ class TokenFlowIngress(OpenAiIngress):
 
     def _tf_on_lost(self, outcome: str) -> None:
         self._tf_lost[outcome] += 1
+        if self._tf_metrics is not None:
+            self._tf_metrics.on_lost(outcome)
+
+    def _tf_on_splice(self, gap_s: float, stall_s: float) -> None:
+        if self._tf_metrics is not None:
+            self._tf_metrics.on_splice(gap_s, stall_s)
 
     async def health(self):
         """200 while some engine can serve: one whose state reached this

@@ -127,6 +127,19 @@ SPECS = (
          tags=ROUTER_TAGS, buckets=(1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.002, 0.005, 0.01, 0.05)),
     Spec("tokenflow_router_state_age_seconds", "histogram", "Age of the chosen engine's state at decision (s).",
          tags=ROUTER_TAGS, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)),
+    # the ingress's failover and continuation (tokenflow/serve/failover.py, continuation.py)
+    Spec("tokenflow_engine_losses", "counter",
+         "Requests whose engine was lost under them, by outcome: resent (no token yet), continued (on another "
+         "engine), ended_mid_stream (error event), gave_up (503 after the re-sends).",
+         tags=ROUTER_TAGS + ("outcome",)),
+    Spec("tokenflow_continuation_gap_seconds", "histogram",
+         "Per continued stream: the time its reader got no token, from the last token before the loss to the "
+         "continuation's first.", tags=ROUTER_TAGS, buckets=LATENCY_BUCKETS),
+    Spec("tokenflow_continuation_stall_seconds", "counter",
+         "Of those gaps, the time readers waited on an empty buffer (the gap less the buffer held), summed.",
+         tags=ROUTER_TAGS),
+    Spec("tokenflow_continuation_stalls", "counter",
+         "Continued streams whose reader ran dry before the continuation's first token.", tags=ROUTER_TAGS),
 )
 BY_NAME = {s.name: s for s in SPECS}
 
@@ -285,7 +298,7 @@ class RouterMetrics:
     """The request router's metrics (one per router instance in an ingress)."""
 
     def __init__(self, application: str, deployment: str):
-        specs = [s for s in SPECS if s.tags[:2] == ROUTER_TAGS]
+        specs = [s for s in SPECS if s.name.startswith("tokenflow_router_")]
         self.m = MetricSet(specs, {"application": application, "deployment": deployment})
         for outcome in ("slack", "fallback"):
             self.m.zero("tokenflow_router_decisions", outcome=outcome)
@@ -295,3 +308,27 @@ class RouterMetrics:
         self.m.observe("tokenflow_router_choose_seconds", seconds)
         if state_age_s is not None:
             self.m.observe("tokenflow_router_state_age_seconds", state_age_s)
+
+
+class IngressMetrics:
+    """What the ingress's failover saw: engine losses and continuations."""
+
+    NAMES = ("tokenflow_engine_losses", "tokenflow_continuation_gap_seconds",
+             "tokenflow_continuation_stall_seconds", "tokenflow_continuation_stalls")
+
+    def __init__(self, application: str, deployment: str, outcomes: tuple[str, ...]):
+        specs = [s for s in SPECS if s.name in self.NAMES]
+        self.m = MetricSet(specs, {"application": application, "deployment": deployment})
+        for outcome in outcomes:  # series from the start: a loss-free window reads 0, not "no data"
+            self.m.zero("tokenflow_engine_losses", outcome=outcome)
+        self.m.zero("tokenflow_continuation_stall_seconds")
+        self.m.zero("tokenflow_continuation_stalls")
+
+    def on_lost(self, outcome: str) -> None:
+        self.m.inc("tokenflow_engine_losses", 1, outcome=outcome)
+
+    def on_splice(self, gap_s: float, stall_s: float) -> None:
+        self.m.observe("tokenflow_continuation_gap_seconds", gap_s)
+        if stall_s > 0:
+            self.m.inc("tokenflow_continuation_stall_seconds", stall_s)
+            self.m.inc("tokenflow_continuation_stalls", 1)
