@@ -127,11 +127,19 @@ def overview() -> dict:
             "Requests whose engine replica or EngineCore was lost under them: re-sent before the first token, "
             "continued on another engine after it (tokenflow/serve/continuation.py), or ended with an error "
             "event."),
+        panel("Continuation gap", [
+            # `> 0` and `or vector(0)`: a window without a splice reads 0, not NaN.
+            target(f'(sum(rate({X("tokenflow_continuation_gap_seconds", "sum")}{RI})) / '
+                   f'(sum(rate({X("tokenflow_continuation_gap_seconds", "count")}{RI})) > 0)) or vector(0)', "mean"),
+            target(f'(histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_continuation_gap_seconds", "bucket")}'
+                   f'{RI}))) and on() (sum(rate({X("tokenflow_continuation_gap_seconds", "count")}{RI})) > 0)) '
+                   f'or vector(0)', "P99")], "s",
+            "Per continued stream, the time its reader got no token: from the last token before its engine was "
+            "lost to the continuation's first."),
         panel("Continuations: readers left waiting", [
             target(f'sum(rate({X("tokenflow_continuation_stall_seconds")}{RI}))', "seconds waited, per s"),
             target(f'sum(rate({X("tokenflow_continuation_stalls")}{RI}))', "readers that ran dry, per s")],
-            "short", "Continued streams whose reader emptied its buffer before the continuation's first token; "
-                     "tokenflow_continuation_gap_seconds has each splice's gap."),
+            "short", "Continued streams whose reader emptied its buffer before the continuation's first token."),
     ] + client_panels())
 
 

@@ -416,8 +416,6 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import httpx
-
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=600)
     max_tokens, pairs, chat_pairs = 1500, 12, 3

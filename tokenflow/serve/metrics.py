@@ -319,7 +319,7 @@ class IngressMetrics:
     def __init__(self, application: str, deployment: str, outcomes: tuple[str, ...]):
         specs = [s for s in SPECS if s.name in self.NAMES]
         self.m = MetricSet(specs, {"application": application, "deployment": deployment})
-        for outcome in outcomes:  # series from the start: a loss-free window reads 0, not "no data"
+        for outcome in outcomes:  # series from the start: a window without losses reads 0
             self.m.zero("tokenflow_engine_losses", outcome=outcome)
         self.m.zero("tokenflow_continuation_stall_seconds")
         self.m.zero("tokenflow_continuation_stalls")
