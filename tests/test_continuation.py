@@ -16,9 +16,13 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
 )
-from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
+from tests.test_failover import scripted
 from tokenflow.core.config import CARRIED_KEY, WAITED_KEY, parse_carried
 from tokenflow.serve.continuation import Ledger, continuable
 from tokenflow.serve.failover import LOST_MESSAGE, relay
@@ -212,13 +216,10 @@ def test_a_chat_continuation_becomes_chat_chunks():
 
 
 # --- the relay -------------------------------------------------------------
-def scripted(script):
-    async def gen():
-        for item in script:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    return gen()
+def played(script):
+    """The stream of one script (tests/test_failover.py's scripted streams)."""
+    open_stream, _ = scripted(script)
+    return open_stream()
 
 
 def relayed(first, continuations, max_continuations=2):
@@ -233,10 +234,10 @@ def relayed(first, continuations, max_continuations=2):
             return None
         asked.append(req)
         script = continuations[len(asked) - 1]
-        return lambda: ledger.splice(scripted(script))
+        return lambda: ledger.splice(played(script))
 
     async def collect():
-        return [x async for x in relay(lambda: ledger.watch(scripted(first)), 2, lost.append,
+        return [x async for x in relay(lambda: ledger.watch(played(first)), 2, lost.append,
                                        continue_after=continue_after)]
     return asyncio.run(collect()), lost, asked
 

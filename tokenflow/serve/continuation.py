@@ -140,20 +140,24 @@ class Ledger:
             parts.append(item[start:i])
             start = j + 1
         if n:
-            now = self.clock()
-            self._times.append((now, n))
-            self._sent += n
-            if self._gap_from is not None:
-                last, held = self._gap_from
-                self._gap_from = None
-                if self.on_splice is not None:
-                    self.on_splice(now - last, max(0.0, now - last - held))
+            self._went_out(n)
             if not _held_back(item):
                 self._committed = self._sent
         if not parts or self.show_ids:
             return item
         parts.append(item[start:])
         return '"token_ids":null'.join(parts)
+
+    def _went_out(self, n: int) -> None:
+        """n tokens went out now; the first after a loss closes its gap."""
+        now = self.clock()
+        self._times.append((now, n))
+        self._sent += n
+        if self._gap_from is not None:
+            last, held = self._gap_from
+            self._gap_from = None
+            if self.on_splice is not None:
+                self.on_splice(now - last, max(0.0, now - last - held))
 
     # --- the continuation ------------------------------------------------
     def continuation(self):
@@ -217,14 +221,7 @@ class Ledger:
             if ids and ch.get("text") and not ch["text"].endswith("\ufffd"):
                 self._committed = len(self.sent_ids)
         if n:
-            now = self.clock()
-            self._times.append((now, n))
-            self._sent += n
-            if self._gap_from is not None:
-                last, held = self._gap_from
-                self._gap_from = None
-                if self.on_splice is not None:
-                    self.on_splice(now - last, max(0.0, now - last - held))
+            self._went_out(n)
         out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else ev.get("object"),
                "created": self.created if self.created is not None else ev.get("created"),
                "model": ev.get("model"), "choices": choices}
