@@ -75,8 +75,6 @@ class Ledger:
         token, how long the reader got no token and how long of that it
         waited on an empty buffer."""
         self.body = body
-        self.on_splice = on_splice
-        self._gap_from: tuple[float, float] | None = None  # (last token before the loss, buffer then, s)
         self.chat = call_method == "chat"
         self.clock = clock
         # The client asked for the ids itself: leave them in its chunks.
@@ -98,6 +96,8 @@ class Ledger:
         self._committed = 0
         self._repeat = 0  # ids the continuation generates again (hidden from a client that sees ids)
         self._times: list[tuple[float, int]] = []  # (when, how many) of each chunk with tokens
+        self.on_splice = on_splice
+        self._gap_from: tuple[float, float] | None = None  # (last token before the loss, buffer then, s)
 
     @property
     def sent_ids(self) -> list[int]:
