@@ -367,9 +367,9 @@ Measured (this VM, 2 cores, the two live tests above, 2026-12-01, readers
 at 20 tokens/s, the kill as soon as the victim had streams under way):
 time readers waited on an empty buffer after the kill, per stream, 0 to
 0.49 s with the replica killed (2.67 s over all 16 streams, the
-survivor's included), 0 s with the engine core killed (12 streams). The tests print
-these figures (`pytest -s`) and fail above 2 s for any stream. Each
-continued stream's text equalled the uninterrupted greedy answer.
+survivor's included), 0 s with the engine core killed (12 streams). The
+tests print these figures (`pytest -s`) and fail above 2 s for any stream.
+Each continued stream's text equalled the uninterrupted greedy answer.
 
 Limits:
 - Not continued (they end with the error event, as before): `n` > 1,
@@ -381,7 +381,10 @@ Limits:
   continuation's own tokens as output (the sent ones are prompt there).
 - A stream is continued from the ids it had sent: tokens the lost engine
   generated but the client never got are generated again (greedy: the same
-  ones).
+  ones). So are sent ids whose text vLLM had held back (a token that ends
+  inside a UTF-8 character): continued right after one, vLLM's detokenizer
+  began its first chunk with the whole prompt's text (found by the live
+  test).
 - A client that asked for `return_token_ids` gets the continuation's ids,
   and no second `prompt_token_ids`.
 - Chat streams now carry a chunk for every token, one whose text is still
