@@ -319,14 +319,17 @@ def _check_continued(stream_recs, whole_replies, pairs: int, chat_pairs: int, ma
     return stalls
 
 
-# Each reader may wait this long on an empty buffer after the kill. The
-# kill comes as soon as the victim has streams under way, when buffers are
-# still small, and on 2 cores the survivor then takes on all of the
-# victim's work at once (its continued streams, its re-sent whole
-# requests): measured 0-0.5 s per stream alone, up to 2.06 s in a full
-# suite run. A continuation that waited for a timeout or went back to the
-# lost engine would take far longer; one that never came, forever.
-STALL_BOUND_S = 5.0
+# Each reader may wait this long on an empty buffer after the kill. What
+# it measures on 2 cores is mostly CPU: after a replica's death Serve starts
+# its replacement, whose engine start (imports, model load) takes both cores
+# for tens of seconds beside the survivor, which has just taken on all of the
+# victim's work. Measured, per stream: 0-0.5 s in runs of the module, up to
+# 2.1 s in a full suite run, 4-12 s for every stream, the survivor's own
+# included, in one run; 0 s with only the engine core killed (no
+# replacement starts during the burst). The bound catches a continuation
+# that waited for a timeout or went back to the lost engine; one that never
+# came fails the checks above.
+STALL_BOUND_S = 30.0
 
 
 @pytest.mark.slow
