@@ -367,15 +367,16 @@ Measured (this VM, 2 cores, the two live tests above, 2026-12-01, readers
 at 20 tokens/s, the kill as soon as the victim had streams under way):
 time readers waited on an empty buffer after the kill, per stream, 0 to
 0.49 s with the replica killed (2.67 s over all 16 streams, the
-survivor's included), 0 s with the engine core killed (12 streams). Two
+survivor's included), 0 s with the engine core killed (12 streams). Three
 later runs of the replica kill: up to 2.06 s per stream (a full
-clean-clone suite run) and 4-12 s for every stream, the survivor's own
-included (a run of the module). On 2 cores what this measures is mostly
-CPU: Serve starts the dead replica's replacement at once, and its engine
-start takes both cores beside the survivor, which has just taken on all of
-the victim's work; with only the engine core killed no replacement starts
-during the burst, and no reader waited. On a GPU node the survivor's steps
-do not compete with an engine start for the same cores; not measured. The
+clean-clone suite run), 4-12 s for every stream, the survivor's own
+included (a run of the module), and 0-0.44 s (the final run). On 2 cores
+what this measures is mostly CPU: Serve starts the dead replica's
+replacement at once, and its engine start takes both cores beside the
+survivor, which has just taken on all of the victim's work. With only the
+engine core killed no replacement starts during the burst, and readers
+waited at most 0.25 s (three runs). On a GPU node the survivor's steps do
+not compete with an engine start for the same cores; not measured. The
 tests print these figures (`pytest -s`) and fail above 30 s for any
 stream (a continuation that waited for a timeout). Each continued stream's
 text equalled the uninterrupted greedy answer.
