@@ -226,11 +226,11 @@ def relayed(first, continuations, max_continuations=2):
     """The relay over a ledger: `first` is the stream as opened; each entry
     of `continuations` is what the next continuation yields."""
     body = completions_body(max_tokens=4)
-    ledger = Ledger(body, "completions", 40)
+    ledger = Ledger(body, "completions", 40, max_continuations)
     lost, asked = [], []
 
-    def continue_after():
-        if ledger.continued >= max_continuations or (req := ledger.continuation()) is None:
+    def continue_after():  # as the ingress's
+        if (req := ledger.continuation()) is None:
             return None
         asked.append(req)
         script = continuations[len(asked) - 1]

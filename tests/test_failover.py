@@ -204,7 +204,7 @@ def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
 
 def new_record() -> dict:
     return {"text": "", "chunks": 0, "errors": [], "done": False, "status": None, "tokens": None, "ids": set(),
-            "times": []}
+            "times": [], "token_ids": []}
 
 
 READ_RATE = 20  # tokens/s each streaming reader states (and reads at, for the stall figures)
@@ -219,7 +219,6 @@ def _stream(base: str, body: dict, rec: dict | None = None, http=None, chat: boo
     import httpx
 
     rec = new_record() if rec is None else rec
-    rec.setdefault("token_ids", [])
     body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     with (http or httpx).stream("POST", base + path, json=body, timeout=300) as r:

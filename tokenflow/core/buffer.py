@@ -62,11 +62,12 @@ class ReaderBuffer:
             raise ValueError(f"consumption rate must be a positive number, got {self.rate!r}")
 
     @classmethod
-    def continued(cls, rate: float, arrival_time: float, now: float, unread: float) -> "ReaderBuffer":
+    def continued(cls, rate: float, now: float, unread: float, waited: float = 0.0) -> "ReaderBuffer":
         """A reader who began this answer elsewhere (a stream continued from a
-        lost engine) and holds `unread` tokens at `now`: it reads on from
-        there, and stalls when they run out before new tokens come."""
-        r = cls(rate=rate, arrival_time=arrival_time)
+        lost engine), sent it `waited` seconds ago and holds `unread` tokens
+        at `now`: it reads on from there, and stalls when they run out before
+        new tokens come."""
+        r = cls(rate=rate, arrival_time=now - waited)
         r.first_token_time = r._clock = now
         r.delivered = math.ceil(max(0.0, unread))
         r._position = r.delivered - max(0.0, unread)

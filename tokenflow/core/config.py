@@ -62,6 +62,9 @@ class TokenFlowConfig(Settings):
 
 DEFAULT_RATE = TokenFlowConfig.model_fields["default_rate"].default
 
+# The `vllm_xargs` key (and top-level body field) of a reader's rate.
+RATE_KEY = "consumption_rate"
+
 # `vllm_xargs` keys of a stream continued from a lost engine
 # (tokenflow/serve/continuation.py): its reader's unread tokens when it was
 # handed over, and the seconds since the client sent it. The scheduler ranks

@@ -41,7 +41,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import TokenFlowConfig, parse_carried, parse_rate
+from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.meters import EngineMeters
 from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
 from tokenflow.core.sched_state import SchedulerState, SchedulerStats
@@ -103,7 +103,7 @@ class TokenFlowMixin:
     def add_request(self, request: Request) -> None:
         super().add_request(request)
         extra = request.sampling_params.extra_args if request.sampling_params else None
-        value = (extra or {}).get("consumption_rate")
+        value = (extra or {}).get(RATE_KEY)
         try:
             rate = parse_rate(value, self.tf_config)
         except ValueError:
@@ -120,8 +120,7 @@ class TokenFlowMixin:
         now = self.clock()
         if (carried := parse_carried(extra)) is None:
             return ReaderBuffer(rate=rate, arrival_time=now)
-        unread, waited = carried
-        return ReaderBuffer.continued(rate, now - waited, now, unread)
+        return ReaderBuffer.continued(rate, now, *carried)
 
     def schedule(self, *args, **kwargs):
         now = self.clock()

@@ -27,9 +27,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import CARRIED_KEY, WAITED_KEY
-
-RATE_KEY = "consumption_rate"
+from tokenflow.core.config import CARRIED_KEY, RATE_KEY, WAITED_KEY
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
 # escaped, so text cannot match; `"token_ids":[` is not inside the other.
@@ -69,8 +67,8 @@ class Ledger:
     text out; they are parsed, and the reader's buffer worked out, only when
     a continuation needs them."""
 
-    def __init__(self, body: Any, call_method: str, default_rate: float, clock=time.monotonic,
-                 on_splice: Callable[[float, float], None] | None = None):
+    def __init__(self, body: Any, call_method: str, default_rate: float, max_continuations: int = 2,
+                 clock=time.monotonic, on_splice: Callable[[float, float], None] | None = None):
         """on_splice(gap_s, stall_s) hears, at each continuation's first
         token, how long the reader got no token and how long of that it
         waited on an empty buffer."""
@@ -84,6 +82,7 @@ class Ledger:
         self.stream_id: str | None = None
         self.created: int | None = None
         self.continued = 0  # continuations opened so far
+        self.max_continuations = max_continuations
         self.rate = _rate_of(body, default_rate)
         self.arrival = clock()
         self._ids: list[int] = []  # sent, parsed
@@ -162,11 +161,11 @@ class Ledger:
     # --- the continuation ------------------------------------------------
     def continuation(self):
         """The completions request that finishes this answer, or None when
-        there is nothing to continue from (no prompt ids seen, or nothing
-        left to generate)."""
+        it is not to be continued: `max_continuations` opened already, no
+        prompt ids seen, or nothing left to generate."""
         from ray.serve.llm.openai_api_models import CompletionRequest
 
-        if self.prompt_ids is None or self.stream_id is None:
+        if self.continued >= self.max_continuations or self.prompt_ids is None or self.stream_id is None:
             return None
         body = self.body
         sent = self.sent_ids

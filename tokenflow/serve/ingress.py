@@ -150,7 +150,7 @@ class TokenFlowIngress(OpenAiIngress):
         ledger = None
         if self._tf_max_continuations and continuation.continuable(body, call_method):
             ledger = continuation.Ledger(body, call_method, self._tf_settings.reader_rate,
-                                         on_splice=self._tf_on_splice)
+                                         self._tf_max_continuations, on_splice=self._tf_on_splice)
 
         def call(request, method):
             return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
@@ -161,9 +161,7 @@ class TokenFlowIngress(OpenAiIngress):
             return ledger.watch(gen) if ledger is not None else gen
 
         def continue_after():
-            if ledger is None or ledger.continued >= self._tf_max_continuations:
-                return None
-            request = ledger.continuation()
+            request = ledger.continuation() if ledger is not None else None
             return None if request is None else lambda: ledger.splice(call(request, "completions"))
 
         # A lost engine leaves the slack routing within a push and a long

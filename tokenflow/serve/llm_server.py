@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.llm import LLMServer
 from ray.serve.llm.openai_api_models import ErrorResponse
 
-from tokenflow.core.config import TokenFlowConfig, parse_carried, parse_rate
+from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
 from tokenflow.serve.failover import CORE_DIED, EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
@@ -35,7 +35,6 @@ from tokenflow.serve.ray_private import ErrorInfo
 from tokenflow.serve.routing.ranking import RoutingSettings
 from tokenflow.serve.streams import EngineTracker, tracked
 
-RATE_KEY = "consumption_rate"
 logger = logging.getLogger("ray.serve")
 
 

@@ -47,8 +47,7 @@ class EngineTracker:
         self._next += 1
         self.received_total += 1
         if stream and carried is not None:
-            unread, waited = carried
-            self._streams[self._next] = ReaderBuffer.continued(rate, arrival - waited, arrival, unread)
+            self._streams[self._next] = ReaderBuffer.continued(rate, arrival, *carried)
         elif stream:
             self._streams[self._next] = ReaderBuffer(rate=rate, arrival_time=arrival)
         else:
