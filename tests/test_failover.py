@@ -324,8 +324,8 @@ def _check_continued(stream_recs, whole_replies, pairs: int, chat_pairs: int, ma
 # for tens of seconds beside the survivor, which has just taken on all of the
 # victim's work. Measured, per stream: 0-0.5 s in runs of the module, up to
 # 2.1 s in a full suite run, 4-12 s for every stream, the survivor's own
-# included, in one run; at most 0.25 s with only the engine core killed
-# (no replacement starts during the burst). The bound catches a continuation
+# included, in one run; 0-1.4 s with only the engine core killed (no
+# replacement starts during the burst). The bound catches a continuation
 # that waited for a timeout or went back to the lost engine; one that never
 # came fails the checks above.
 STALL_BOUND_S = 30.0
