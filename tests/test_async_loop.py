@@ -248,7 +248,7 @@ def stream(loop, steps: int, every: int, prompt: tuple[int, int], seed: int = 5)
         if i % every == 0:
             loop.add(f"s{i}", [rng.randrange(10, 4000) for _ in range(rng.randint(*prompt))], 40, 10.0)
         loop.step()
-        shapes.append(loop.runner.last_shape)
+        shapes.append(loop.runner.last_shape[:2])
     return shapes
 
 
@@ -280,6 +280,22 @@ def test_meters_separate_decode_and_prefill_costs_on_mixed_steps():
     assert m.decode_capacity == pytest.approx(true_capacity(loop), rel=0.05)
     assert m.prefill_speed == pytest.approx(1 / cost.prefill_s, rel=0.1)
     assert 1 / m.step_rate.value > cost.base_s
+
+
+@pytest.mark.parametrize("start_s", [0.0, 0.001])
+def test_meters_measure_what_a_request_added_to_the_batch_costs(start_s):
+    """Each request the runner adds to its batch (a newcomer, or a paused
+    one back) may cost its step a fixed time beyond its tokens; the policy
+    prices a swap with it. The meters find that time, and find none where
+    there is none."""
+    loop = make_loop(TF_ASYNC, {**FAST}, max_num_batched_tokens=128, num_blocks=2000)
+    loop.core.model_executor.step_cost.start_s = start_s
+    stream(loop, 600, every=2, prompt=(50, 400))
+    measured = loop.scheduler.meters.start_seconds
+    if start_s:
+        assert measured == pytest.approx(start_s, rel=0.1)
+    else:
+        assert measured is None or measured < 1e-5
 
 
 def light_stream(loop, n: int = 60, mean_gap_steps: float = 40.0, seed: int = 1):

@@ -187,8 +187,16 @@ def reference_key(cfg, r, eng):
         resume_level = cfg.mu * (n * load + step + cfg.dt)
         if not r.num_output or b / rate < resume_level + cfg.dt + swap_s:
             return KEEP_RUNNING, b / rate
-        # the batch work the swap adds: a recompute without a host tier
-        bonus = (0.0 if eng.transfer_tps else n * load) * (eng.decode_tps or step_rate)
+        # what the swap costs, priced as a release: the batch recomputes the
+        # context (no host tier) or its unfinished tail block (host tier,
+        # whose slot also sits out a step and the reload)
+        recompute = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
+        batch_tps = step_rate * eng.running if eng.running else (eng.decode_tps or step_rate)
+        start = eng.start_s or 0.0  # the batch's cost of (re)adding a request
+        if eng.transfer_tps:
+            bonus = (((n - 1) % eng.block_size) * recompute + start) * batch_tps + (step + n * load) * step_rate
+        else:
+            bonus = (n * recompute + start) * batch_tps
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
@@ -224,7 +232,8 @@ def tied_populations(draw):
                      step_rate=draw(st.one_of(st.none(), st.sampled_from([10.0, 50.0]))),
                      prefill_tps=draw(st.one_of(st.none(), st.sampled_from([100.0, 20_000.0]))),
                      transfer_tps=draw(st.one_of(st.none(), st.sampled_from([1000.0, 200_000.0]))),
-                     host_blocks=draw(st.sampled_from([0, 50])))
+                     host_blocks=draw(st.sampled_from([0, 50])), running=draw(st.sampled_from([0, 3, 30])),
+                     start_s=draw(st.sampled_from([None, 0.0, 0.002])))
     cfg = TokenFlowConfig(mu=draw(st.sampled_from([1.0, 20.0])), gamma=draw(st.sampled_from([0.0, 50.0])),
                           dt=draw(st.sampled_from([0.05, 0.5])))
     return reqs, eng, cfg

@@ -51,7 +51,8 @@ class MirrorRunner:
         self.batch: set[str] = set()  # vLLM's persistent batch
         self.kv: dict[int, list[int | None]] = {}  # block id -> token at each slot
         self.steps = 0
-        self.last_shape = (0, 0)  # decode tokens, prefill tokens of the last step
+        self.last_shape = (0, 0, 0)  # decode tokens, prefill tokens, requests added to the batch
+        self._added = 0
 
     def execute(self, so):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -64,6 +65,7 @@ class MirrorRunner:
         for rid in list(self.batch):
             if rid not in so.num_scheduled_tokens or rid in cached.resumed_req_ids:
                 self.batch.discard(rid)
+        self._added = len(so.scheduled_new_reqs)
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = RunnerRequest(list(new.prompt_token_ids), len(new.prompt_token_ids),
                                                   list(new.block_ids[0]), new.num_computed_tokens)
@@ -81,7 +83,7 @@ class MirrorRunner:
                 decode += 1
             else:
                 prefill += n
-        self.last_shape = (decode, prefill)
+        self.last_shape = (decode, prefill, self._added)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled)
 
@@ -101,6 +103,7 @@ class MirrorRunner:
             if self.async_scheduling and n_out > 0:
                 st.tokens = st.tokens[:st.num_prompt] + list(cached.all_token_ids[rid][-n_out:])
             self.batch.add(rid)
+            self._added += 1
         else:
             # Sync scheduling: a running request's cache may lack nothing.
             del st.tokens[st.num_prompt + cached.num_output_tokens[i]:]
@@ -132,7 +135,7 @@ class MirrorExecutor:
 
     def __init__(self, runner: MirrorRunner, step_cost):
         self.runner = runner
-        self.step_cost = step_cost  # (decode tokens, prefill tokens) -> None
+        self.step_cost = step_cost  # (decode tokens, prefill tokens, requests added) -> None
         self._sampled = None
 
     def execute_model(self, scheduler_output, non_block: bool = False):
@@ -181,9 +184,10 @@ class StepCost:
     base_s: float = 0.004
     decode_s: float = 0.0002
     prefill_s: float = 0.00002
+    start_s: float = 0.0  # per request the runner adds to its batch
 
-    def __call__(self, decode: int, prefill: int) -> None:
-        self.clock.t += self.base_s + self.decode_s * decode + self.prefill_s * prefill
+    def __call__(self, decode: int, prefill: int, added: int = 0) -> None:
+        self.clock.t += self.base_s + self.decode_s * decode + self.prefill_s * prefill + self.start_s * added
 
 
 @dataclass

@@ -26,31 +26,33 @@ class Ewma:
 
 
 # Token counts are scaled so the fit's columns have like magnitudes.
-DECODE_UNIT, PREFILL_UNIT = 64.0, 1024.0
+DECODE_UNIT, PREFILL_UNIT, STARTS_UNIT = 64.0, 1024.0, 16.0
 
 
 @dataclass
 class StepCostFit:
     """step seconds ~= base + per_decode * decode + per_prefill * prefill,
     fitted by exponentially weighted least squares (recent steps count most,
-    so the fit follows a changing batch shape)."""
+    so the fit follows a changing batch shape). The sums also hold a fourth
+    column, the requests whose prefill the step starts or resumes, for the
+    fixed cost of each (`start_cost`)."""
 
     forget: float = 0.98  # weight kept by a step's sample one step later
     min_samples: int = 8
-    # Weighted sums of x x^T and x y over x = (1, decode, prefill), scaled.
-    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    # Weighted sums of x x^T and x y over x = (1, decode, prefill, starts), scaled.
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 4)
     samples: int = 0
     prefill_samples: int = 0
     _coef: tuple[float, float, float] | None = None
     _stale: bool = True
 
-    def add(self, seconds: float, decode: int, prefill: int) -> None:
-        x = (1.0, decode / DECODE_UNIT, prefill / PREFILL_UNIT)
+    def add(self, seconds: float, decode: int, prefill: int, starts: int = 0) -> None:
+        x = (1.0, decode / DECODE_UNIT, prefill / PREFILL_UNIT, starts / STARTS_UNIT)
         lam = self.forget
-        for i in range(3):
+        for i in range(4):
             row = self.xx[i]
-            for j in range(3):
+            for j in range(4):
                 row[j] = lam * row[j] + x[i] * x[j]
             self.xy[i] = lam * self.xy[i] + x[i] * seconds
         self.samples += 1
@@ -66,10 +68,22 @@ class StepCostFit:
             self._stale = False
             self._coef = None
             if self.samples >= self.min_samples:
-                sol = _solve(self.xx, self.xy)
+                sol = _solve([row[:3] for row in self.xx[:3]], self.xy[:3])
                 if sol is not None and sol[0] > 0 and sol[1] >= 0 and sol[2] > 0:
                     self._coef = (sol[0], sol[1] / DECODE_UNIT, sol[2] / PREFILL_UNIT)
         return self._coef
+
+    def start_cost(self) -> tuple[float, float] | None:
+        """(s per prefill token, s per request started) from all four
+        columns: what a resume adds to its step beyond its tokens (the
+        scheduler's and the runner's per-request work). None while the
+        steps seen cannot tell starts from prefill tokens."""
+        if self.prefill_samples < self.min_samples:
+            return None
+        sol = _solve(self.xx, self.xy)
+        if sol is None or sol[0] <= 0 or sol[2] <= 0 or sol[3] < 0:
+            return None
+        return sol[2] / PREFILL_UNIT, sol[3] / STARTS_UNIT
 
     def coef2(self) -> tuple[float, float] | None:
         """(s per step, s per decode token) with the prefill done alongside
@@ -117,10 +131,12 @@ class EngineMeters:
     def new(cls) -> "EngineMeters":
         return cls(Ewma(), Ewma(), Ewma(), StepCostFit())
 
-    def on_step(self, seconds: float, decode_tokens: int, prefill_tokens: int) -> None:
+    def on_step(self, seconds: float, decode_tokens: int, prefill_tokens: int, starts: int = 0) -> None:
+        """One step: its seconds, its decode tokens, its prefill tokens and
+        the requests among them whose prefill began this step."""
         if seconds <= 0 or not (decode_tokens or prefill_tokens):
             return
-        self.fit.add(seconds, decode_tokens, prefill_tokens)
+        self.fit.add(seconds, decode_tokens, prefill_tokens, starts)
         if decode_tokens:
             self.step_rate.add(1.0 / seconds)
             self.max_decode_batch = max(self.max_decode_batch, decode_tokens)
@@ -145,6 +161,13 @@ class EngineMeters:
         if c2 is not None:
             return max(b / (c2[0] + c2[1] * b), self.peak_decode_tps)
         return self.peak_decode_tps or None
+
+    @property
+    def start_seconds(self) -> float | None:
+        """Step seconds each request (re)added to the batch costs beyond its
+        prefill tokens; None until the steps seen can tell."""
+        c = self.fit.start_cost()
+        return c[1] if c is not None else None
 
     @property
     def prefill_speed(self) -> float | None:

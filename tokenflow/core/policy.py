@@ -31,11 +31,12 @@ Steps, as in the paper:
     value of *running* adds it instead. A running request's U also counts
     the tokens the engine loses to swapping it out and back (the swap's
     extra work holds up the whole batch), so two requests swap only when
-    that gains more than it costs (the batch work the swap adds: the
-    recompute of its context when there is no host tier; a pause itself
-    costs the batch no step). Highest U runs while KV blocks and sequence
-    slots last; of the rest, the largest buffers (in seconds) release KV
-    first.
+    that gains more than it costs (the measured cost of putting a request
+    back in the batch, and the recompute the swap adds to it: the whole
+    context without a host tier, the unfinished tail block with one; with
+    one, also the step and the reload its own slot sits out). Highest U
+    runs while KV blocks and sequence slots last; of the rest, the largest
+    buffers (in seconds) release KV first.
  6. Resume mode: reload from host when its I/O time is below the prefill
     time of the context, else recompute.
 """
@@ -97,8 +98,10 @@ class EngineView:
     decode_tps: float | None = None  # measured aggregate decode tokens/s (capacity)
     step_rate: float | None = None  # measured decode steps/s = tokens/s per request
     prefill_tps: float | None = None  # measured prefill tokens/s
+    start_s: float | None = None  # measured step seconds per request (re)added to the batch
     transfer_tps: float | None = None  # host<->device KV tokens/s; None: no offload
     host_blocks: int = 0  # this engine's share of the host KV pool, in blocks
+    running: int = 0  # requests in the batch now (0: not given)
 
 
 @dataclass
@@ -130,6 +133,7 @@ class Levels:
     step_rate: float  # decode steps/s (tokens/s one running request gets)
     load_per_token: float  # s per context token to bring released KV back (reload, or recompute)
     swap_per_token: float  # s per context token to release and bring back
+    recompute_per_token: float  # s of batch prefill per token recomputed (0 while unmeasured)
 
     @property
     def step_s(self) -> float:
@@ -139,12 +143,13 @@ class Levels:
     @classmethod
     def of(cls, eng: EngineView, dt: float) -> "Levels":
         step_rate = eng.step_rate or 1.0 / dt  # unknown yet: one step per interval
+        recompute = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
         if eng.transfer_tps:  # the host tier: write-back and reload
             load = 1.0 / eng.transfer_tps
             swap = 2.0 / eng.transfer_tps
         else:  # no tier: released KV is recomputed
-            load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
-        return cls(step_rate, load, swap)
+            load = swap = recompute
+        return cls(step_rate, load, swap, recompute)
 
 
 @dataclass(slots=True)
@@ -301,12 +306,13 @@ class TokenFlowPolicy:
         cfg = self.cfg
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
-        step, load, swap = lv.step_s, lv.load_per_token, lv.swap_per_token
-        batch_load = 0.0 if eng.transfer_tps else load  # s of batch work per context token a swap adds
+        step, load, swap, recompute = lv.step_s, lv.load_per_token, lv.swap_per_token, lv.recompute_per_token
+        tier, bs = bool(eng.transfer_tps), eng.block_size
+        start = eng.start_s or 0.0  # the batch's cost of (re)adding a request, beyond its tokens
         speed_dt = lv.step_rate * dt
-        # A swap's extra work holds up the whole batch, so it costs the
-        # engine's tokens/s, not one request's.
-        capacity = eng.decode_tps or lv.step_rate
+        # A swap's extra prefill holds up the whole batch, so it costs what
+        # the batch decodes per second now, not one request's speed.
+        batch_tps = lv.step_rate * eng.running if eng.running else (eng.decode_tps or lv.step_rate)
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
         keep, resume, rest = [], [], []
         for r in reqs:
@@ -319,14 +325,21 @@ class TokenFlowPolicy:
                 if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
                     keep.append((b / rate, r))
                     continue
-                # The tokens the batch loses to this swap: its extra work,
-                # the recompute of the context when there is no host tier.
-                # A pause itself costs the batch no step (the others keep
-                # decoding), a held pause keeps its KV, and the host tier
-                # writes and reloads beside the batch (docs/BENCHMARKS.md,
-                # "The slow-reader waves, traced": a whole step charged at
-                # the engine's capacity kept newcomers out for seconds).
-                bonus = batch_load * n * capacity
+                # The tokens the engine loses to this swap, priced as a
+                # release (the worst case, as the pause level is): the
+                # measured cost of putting a request back in the batch,
+                # plus its recompute. Without a host tier the batch
+                # recomputes the whole context. With one, the host holds
+                # every full block: the batch recomputes the unfinished tail
+                # block, and this slot sits out one step plus the reload. A
+                # pause itself costs the others no step (docs/BENCHMARKS.md:
+                # a whole step charged at the engine's capacity kept
+                # newcomers out for seconds; nothing charged swapped
+                # near-equal readers every interval).
+                if tier:
+                    bonus = (((n - 1) % bs) * recompute + start) * batch_tps + (step + n * load) * lv.step_rate
+                else:
+                    bonus = (n * recompute + start) * batch_tps
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level

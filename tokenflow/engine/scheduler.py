@@ -214,7 +214,13 @@ class TokenFlowMixin:
         counts = scheduler_output.num_scheduled_tokens.values()
         decode = sum(1 for n in counts if n == 1)
         prefill = sum(n for n in counts if n > 1)
-        self.meters.on_step(now - start, decode, prefill)
+        # Requests the runner (re)adds to its batch this step: newcomers,
+        # released ones resumed, and any left out of the step before (held
+        # ones coming back), for which vLLM sends the whole token list.
+        cached = scheduler_output.scheduled_cached_reqs
+        back = cached.resumed_req_ids.union(cached.all_token_ids) if cached.all_token_ids else cached.resumed_req_ids
+        starts = len(scheduler_output.scheduled_new_reqs) + len(back)
+        self.meters.on_step(now - start, decode, prefill, starts)
 
     # --- the decision -----------------------------------------------------
     def _blocks(self, num_tokens: int) -> int:
@@ -254,8 +260,10 @@ class TokenFlowMixin:
             decode_tps=m.decode_capacity,
             step_rate=m.step_rate.value,
             prefill_tps=m.prefill_speed,
+            start_s=m.start_seconds,
             transfer_tps=tier.transfer_tps() if tier is not None else None,
             host_blocks=tier.capacity_blocks() if tier is not None else 0,
+            running=len(self.running),
         )
         return views, eng
 

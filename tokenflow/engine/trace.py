@@ -45,7 +45,9 @@ class DecisionTrace:
         line = {"t": round(now, 4),
                 "engine": {"free_blocks": eng.free_blocks, "total_blocks": eng.total_blocks,
                            "host_blocks": eng.host_blocks, "max_num_seqs": eng.max_num_seqs,
-                           "decode_tps": eng.decode_tps, "step_rate": eng.step_rate},
+                           "decode_tps": eng.decode_tps, "step_rate": eng.step_rate,
+                           "prefill_tps": eng.prefill_tps, "transfer_tps": eng.transfer_tps, "start_s": eng.start_s,
+                           "running": eng.running},
                 "decided": decision is not None,
                 "requests": rows,  # id, phase, buffer_s, tokens out, rate, blocks, resident, tier, value
                 }
