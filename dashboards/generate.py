@@ -123,10 +123,11 @@ def overview() -> dict:
             target(f'histogram_quantile(0.99, sum by (le) (rate({X("tokenflow_router_state_age_seconds", "bucket")}{RI})))',
                    "age of the chosen engine's state")], "s"),
         panel("Engine losses", [
-            target(f'sum by (outcome) (rate({X("tokenflow_engine_losses")}{RI}))', "{{outcome}}")], "reqps",
-            "Requests whose engine replica or EngineCore was lost under them: re-sent before the first token, "
-            "continued on another engine after it (tokenflow/serve/continuation.py), or ended with an error "
-            "event."),
+            target(f'sum by (outcome, cause) (rate({X("tokenflow_engine_losses")}{RI}))', "{{outcome}} ({{cause}})")],
+            "reqps",
+            "Requests whose engine replica or EngineCore was lost under them (failure), or whose replica Serve "
+            "stopped (shutdown: a redeploy or a scale-down): re-sent before the first token, continued on another "
+            "engine after it (tokenflow/serve/continuation.py), or ended with an error event."),
         panel("Continuation gap", [
             # `> 0` and `or vector(0)`: a window without a splice reads 0, not NaN.
             target(f'(sum(rate({X("tokenflow_continuation_gap_seconds", "sum")}{RI})) / '

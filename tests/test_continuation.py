@@ -237,7 +237,7 @@ def relayed(first, continuations, max_continuations=2):
         return lambda: ledger.splice(played(script))
 
     async def collect():
-        return [x async for x in relay(lambda: ledger.watch(played(first)), 2, lost.append,
+        return [x async for x in relay(lambda: ledger.watch(played(first)), 2, lambda o, cause: lost.append(o),
                                        continue_after=continue_after)]
     return asyncio.run(collect()), lost, asked
 

@@ -15,8 +15,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from tokenflow.serve.failover import (
     FAILED_MESSAGE,
     LOST_MESSAGE,
+    STOPPING,
     EngineLost,
     bounce_if_engine_dead,
+    hand_over_when_stopping,
+    loss_cause,
     relay,
 )
 
@@ -48,7 +51,7 @@ def run(open_stream, resends=2):
     lost = []
 
     async def collect():
-        return [x async for x in relay(open_stream, resends, lost.append)]
+        return [x async for x in relay(open_stream, resends, lambda outcome, cause: lost.append(outcome))]
     return asyncio.run(collect()), lost
 
 
@@ -147,6 +150,45 @@ def test_replica_with_a_dead_engine_raises_engine_lost_mid_stream_too():
     with pytest.raises(EngineLost):
         asyncio.run(collect())
     assert out == [[sse("a")]]
+
+
+def test_a_stopping_replica_hands_its_streams_over():
+    """Once Serve begins to stop a replica (a redeploy, a scale-down), its
+    stream ends after the chunk in hand with EngineLost, which the ingress
+    continues elsewhere and counts as a shutdown, not a failure."""
+    stopping = False
+    out = []
+
+    async def collect():
+        nonlocal stopping
+        async for x in hand_over_when_stopping(scripted([[sse("a")], [sse("b")], [sse("c")]])[0](), lambda: stopping):
+            out.append(x)
+            stopping = True  # Serve stops the replica while the first chunk is relayed
+    with pytest.raises(EngineLost) as lost:
+        asyncio.run(collect())
+    assert out == [[sse("a")]]
+    assert loss_cause(lost.value) == "shutdown"
+    # As the ingress gets it through Serve's handle: Ray's wrapper of it.
+    from ray.exceptions import RayTaskError
+    wrapped = RayTaskError("completions", "Traceback (most recent call last): ...", lost.value).as_instanceof_cause()
+    assert isinstance(wrapped, EngineLost) and loss_cause(wrapped) == "shutdown"
+    assert loss_cause(EngineLost("the engine core of this replica has died")) == "failure"
+    assert loss_cause(ActorDiedError()) == "failure"
+    # Not stopping: the stream as it is.
+    async def whole():
+        return [x async for x in hand_over_when_stopping(scripted([sse("a"), sse("b")])[0](), lambda: False)]
+    assert asyncio.run(whole()) == [sse("a"), sse("b")]
+
+
+def test_a_continuation_after_a_shutdown_is_counted_by_its_cause():
+    open_stream, _ = scripted([sse("a"), EngineLost(STOPPING)])
+    seen = []
+
+    async def collect():
+        return [x async for x in relay(open_stream, 2, lambda o, c: seen.append((o, c)),
+                                       continue_after=lambda: scripted([sse("b")])[0])]
+    assert asyncio.run(collect()) == [sse("a"), sse("b")]
+    assert seen == [("continued", "shutdown")]
 
 
 # --- a real replica killed during a burst ----------------------------------------
@@ -462,6 +504,58 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     assert max(stalls) < STALL_BOUND_S, stalls
 
     # Serve's health check replaces the replica; later tests get two engines again.
+    _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
+
+
+@pytest.mark.slow
+def test_replica_stopped_by_serve_hands_its_streams_over(serve_app):
+    """Serve stops a replica during a burst, as a redeploy or a scale-down
+    does: the replica's own graceful shutdown, called on its actor as
+    Serve's controller calls it. Its started streams, completions and chats,
+    leave it at their next chunk and continue on the other engine,
+    seamlessly; none is cut and none holds the drain open until Serve's
+    timeout; the losses count as shutdowns, not failures."""
+    import time
+
+    import ray
+
+    base, model = serve_app["base_url"], serve_app["model"]
+    engines = _wait_engines(base, 2, timeout=600)
+    # Join the app's cluster first: a driver takes tens of seconds to
+    # connect on 2 busy cores, longer than the burst's streams last.
+    ray.init(address="auto", log_to_driver=False)
+    try:
+        actors = {e["engine_id"]: ray.get_actor(e["replica"], namespace="serve") for e in engines}
+        max_tokens, pairs, chat_pairs = 1500, 12, 3
+        http = _burst_client(base)
+        before = _engines(base, http)
+        pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
+        victim = _choose_victim(base, http, live, wholes)
+        actor = actors[victim["engine_id"]]
+        stopped_at = time.monotonic()
+        ray.get(actor.perform_graceful_shutdown.remote(), timeout=300)
+        drained_s = time.monotonic() - stopped_at
+        stream_recs = [f.result(timeout=600) for f in streams]
+        whole_replies = [f.result(timeout=600) for f in wholes]
+        pool.shutdown()
+        http.close()
+        # What Serve's controller does once a replica has shut down; it
+        # then starts a replacement, so later tests get two engines again.
+        ray.kill(actor, no_restart=True)
+    finally:
+        ray.shutdown()
+    stalls = _check_continued(stream_recs, whole_replies, pairs, chat_pairs, max_tokens, "a replica stopped",
+                              stopped_at)
+    after = _engines(base)
+    lost = {k: v - before["replicas_lost"].get(k, 0) for k, v in after["replicas_lost"].items()}
+    causes = {k: v - before["replicas_lost_by_cause"].get(k, 0) for k, v in after["replicas_lost_by_cause"].items()}
+    assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, lost
+    assert causes["shutdown"] >= 1 and causes["failure"] == 0, causes
+    # The drain then waits only for the whole requests in hand (Serve's
+    # controller kills the replica after its budget, 20 s by default, and the
+    # ingress re-sends what it cut: no token of theirs had gone out).
+    print(f"a replica stopped: drained in {drained_s:.1f} s")
+    assert max(stalls) < STALL_BOUND_S, stalls
     _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
 
 

@@ -44,6 +44,7 @@ LOST_MESSAGE = "the engine serving this request failed"
 LOST_MID_STREAM = f"{LOST_MESSAGE} mid-stream; the response is incomplete"
 FAILED_MESSAGE = "the request failed mid-stream; the response is incomplete"
 CORE_DIED = "the engine core of this replica has died"
+STOPPING = "Serve is stopping this replica (a redeploy or a scale-down)"
 
 
 def engine_lost(e: BaseException) -> bool:
@@ -85,12 +86,22 @@ def unavailable_response(message: str):
     return ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
 
 
-# What became of a request whose replica was lost (counted by the ingress).
+# What became of a request whose replica was lost (counted by the ingress),
+# and why it was lost: the engine failed, or Serve stopped its replica.
 OUTCOMES = ("resent", "continued", "ended_mid_stream", "gave_up")
+CAUSES = ("failure", "shutdown")
+
+
+def loss_cause(e: BaseException) -> str:
+    # Through a handle the replica's EngineLost arrives as Ray's
+    # RayTaskError(EngineLost): an EngineLost too, whose own text is Ray's
+    # traceback; the replica's exception is its `cause`.
+    lost = getattr(e, "cause", None) or e
+    return "shutdown" if isinstance(lost, EngineLost) and STOPPING in str(lost) else "failure"
 
 
 async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
-                on_lost: Callable[[str], None] | None = None, resend_after_s: float = 0.0,
+                on_lost: Callable[[str, str], None] | None = None, resend_after_s: float = 0.0,
                 abandon: Callable[[], Awaitable[None]] | None = None,
                 continue_after: Callable[[], Callable[[], AsyncIterator] | None] | None = None) -> AsyncIterator:
     """Yield the items of open_stream(). When the replica is lost before any
@@ -100,7 +111,7 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
     lost-engine error event. Either goes `resend_after_s` later (time for
     the routing to hear of the loss: re-sent at once, a request can go
     straight back to an engine that has just lost its core). on_lost hears
-    each loss as one of OUTCOMES; abandon() is awaited before each new
+    each loss as one of OUTCOMES and one of CAUSES; abandon() is awaited before each new
     attempt, to cancel what the lost one may still be doing (an unreachable
     replica is not always a dead one)."""
     flowing, resent = False, 0
@@ -135,7 +146,7 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 outcome = "gave_up" if following is None else "resent"
                 resent += following is not None
             if on_lost is not None:
-                on_lost(outcome)
+                on_lost(outcome, loss_cause(e))
             logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}): {e!r}")
             if outcome == "ended_mid_stream":
                 yield lost_event(LOST_MID_STREAM)
@@ -149,6 +160,21 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 await abandon()
             if resend_after_s > 0:
                 await asyncio.sleep(resend_after_s)
+
+
+async def hand_over_when_stopping(gen: AsyncIterator, stopping: Callable[[], bool]) -> AsyncIterator:
+    """A replica's response stream, handed over once Serve begins to stop
+    the replica (a new config version, or fewer replicas): after the chunk
+    in hand it raises EngineLost, as a lost engine does, so the ingress
+    continues the stream on another engine instead of Serve holding the
+    shutdown open until `graceful_shutdown_timeout_s` cuts it. A stream its
+    engine holds paused sends no chunk, so it is handed over when it runs
+    again (the policy resumes it before its reader runs dry)."""
+    async for item in gen:
+        yield item
+        if stopping():  # a cheap read, after every chunk
+            await gen.aclose()  # aborts its engine request here: another engine goes on
+            raise EngineLost(STOPPING)
 
 
 async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) -> AsyncIterator:

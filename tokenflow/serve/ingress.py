@@ -107,7 +107,7 @@ def _ingress_metrics():
         ctx = serve.get_replica_context()
     except Exception:
         return None
-    return IngressMetrics(ctx.app_name, ctx.deployment, failover.OUTCOMES)
+    return IngressMetrics(ctx.app_name, ctx.deployment, failover.OUTCOMES, failover.CAUSES)
 
 
 class TokenFlowIngress(OpenAiIngress):
@@ -120,6 +120,7 @@ class TokenFlowIngress(OpenAiIngress):
         self._tf_max_resends = max_resends
         self._tf_max_continuations = max_continuations
         self._tf_lost = dict.fromkeys(failover.OUTCOMES, 0)
+        self._tf_lost_by_cause = dict.fromkeys(failover.CAUSES, 0)
         self._tf_metrics = _ingress_metrics()
         self._tf_boards = None  # handles to the app's state boards
         # Serve creates a handle's request router on its first call. Make one
@@ -184,10 +185,11 @@ class TokenFlowIngress(OpenAiIngress):
                 attempts.abandon_soon()
             raise
 
-    def _tf_on_lost(self, outcome: str) -> None:
+    def _tf_on_lost(self, outcome: str, cause: str) -> None:
         self._tf_lost[outcome] += 1
+        self._tf_lost_by_cause[cause] += 1
         if self._tf_metrics is not None:
-            self._tf_metrics.on_lost(outcome)
+            self._tf_metrics.on_lost(outcome, cause)
 
     def _tf_on_splice(self, gap_s: float, stall_s: float) -> None:
         if self._tf_metrics is not None:
@@ -236,4 +238,5 @@ class TokenFlowIngress(OpenAiIngress):
                 "engines": table.view()["engines"],
                 "routers": {k: t.view() for k, t in list(board.LOCAL_ROUTERS.items())},
                 "replicas_lost": dict(self._tf_lost),
+                "replicas_lost_by_cause": dict(self._tf_lost_by_cause),
                 "kv_pools": pools}

@@ -29,9 +29,9 @@ from ray.serve.llm.openai_api_models import ErrorResponse
 
 from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
-from tokenflow.serve.failover import CORE_DIED, EngineLost, bounce_if_engine_dead
+from tokenflow.serve.failover import CORE_DIED, STOPPING, EngineLost, bounce_if_engine_dead, hand_over_when_stopping
 from tokenflow.serve.kv_pool import KVPoolSettings
-from tokenflow.serve.ray_private import ErrorInfo
+from tokenflow.serve.ray_private import ErrorInfo, replica_stopping
 from tokenflow.serve.routing.ranking import RoutingSettings
 from tokenflow.serve.streams import EngineTracker, tracked
 
@@ -105,10 +105,11 @@ class TokenFlowLLMServer(LLMServer):
                 # recompute), rather than fail to start or exceed the pool.
                 logger.warning("TokenFlow: %s; this engine runs without a host KV tier "
                                "(kv_pool.shared_memory: false gives each engine its own share)", e)
+        self._stopping = _stopping_flag()
         await super().__init__(llm_config, **kwargs)
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
-                                   self._scheduler_state, self._metrics, self._engine_dead)
+                                   self._scheduler_state, self._metrics, self._engine_dead, self._stopping)
 
     async def _scheduler_state(self) -> SchedulerState | None:
         """The TokenFlow scheduler's state, via its EngineCore utility
@@ -126,13 +127,17 @@ class TokenFlowLLMServer(LLMServer):
         return bool(getattr(client, "errored", False))
 
     def _refuse_if_engine_dead(self) -> None:
+        """A request that reaches a replica whose engine is dead, or which
+        Serve is stopping, goes back to the ingress to be sent elsewhere."""
         if self._engine_dead():
             raise EngineLost(CORE_DIED)
+        if self._stopping():
+            raise EngineLost(STOPPING)
 
     def _track(self, request, gen, arrival: float):
         if not hasattr(gen, "__aiter__"):
             return gen
-        gen = bounce_if_engine_dead(gen, self._engine_dead)
+        gen = hand_over_when_stopping(bounce_if_engine_dead(gen, self._engine_dead), self._stopping)
         xargs = request.vllm_xargs
         return tracked(gen, self._tracker, rate=float(xargs[RATE_KEY]),
                        stream=bool(getattr(request, "stream", False)), arrival=arrival,
@@ -157,6 +162,16 @@ class TokenFlowLLMServer(LLMServer):
         if getattr(self, "_agent", None) is not None:
             self._agent.stop()
         await super().__del__()
+
+
+def _stopping_flag():
+    """Whether Serve has begun to stop this replica; never, outside Serve."""
+    try:
+        flag = replica_stopping()
+    except Exception:  # a Ray without that private attribute: no handover
+        logger.warning("TokenFlow: cannot see when Serve stops this replica; streams will not be handed over")
+        flag = None
+    return flag or (lambda: False)
 
 
 def _offload_wanted(llm_config, kv: KVPoolSettings) -> bool:
@@ -222,7 +237,7 @@ def _engine_metrics(llm_config):
 
 
 def _start_agent(tracker, router: RoutingSettings, kv: KVPoolSettings, scheduler_state=None, metrics=None,
-                 engine_dead=None):
+                 engine_dead=None, stopping=None):
     if not (router.enabled or kv.enabled or metrics is not None):
         return None
     try:
@@ -233,6 +248,6 @@ def _start_agent(tracker, router: RoutingSettings, kv: KVPoolSettings, scheduler
 
     agent = EngineAgent(tracker, router, kv, app_name=ctx.app_name, engine_id=ctx.replica_id.unique_id,
                         replica=ctx.replica_id.to_full_id_str(), scheduler_state=scheduler_state,
-                        metrics=metrics, engine_dead=engine_dead)
+                        metrics=metrics, engine_dead=engine_dead, stopping=stopping)
     agent.start()
     return agent

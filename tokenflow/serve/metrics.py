@@ -130,8 +130,9 @@ SPECS = (
     # the ingress's failover and continuation (tokenflow/serve/failover.py, continuation.py)
     Spec("tokenflow_engine_losses", "counter",
          "Requests whose engine was lost under them, by outcome: resent (no token yet), continued (on another "
-         "engine), ended_mid_stream (error event), gave_up (503 after the re-sends).",
-         tags=ROUTER_TAGS + ("outcome",)),
+         "engine), ended_mid_stream (error event), gave_up (503 after the re-sends); and by cause: failure (the "
+         "replica or its engine died), shutdown (Serve stopped the replica: a redeploy or a scale-down).",
+         tags=ROUTER_TAGS + ("outcome", "cause")),
     Spec("tokenflow_continuation_gap_seconds", "histogram",
          "Per continued stream: the time its reader got no token, from the last token before the loss to the "
          "continuation's first.", tags=ROUTER_TAGS, buckets=LATENCY_BUCKETS),
@@ -316,16 +317,17 @@ class IngressMetrics:
     NAMES = ("tokenflow_engine_losses", "tokenflow_continuation_gap_seconds",
              "tokenflow_continuation_stall_seconds", "tokenflow_continuation_stalls")
 
-    def __init__(self, application: str, deployment: str, outcomes: tuple[str, ...]):
+    def __init__(self, application: str, deployment: str, outcomes: tuple[str, ...], causes: tuple[str, ...]):
         specs = [s for s in SPECS if s.name in self.NAMES]
         self.m = MetricSet(specs, {"application": application, "deployment": deployment})
         for outcome in outcomes:  # series from the start: a window without losses reads 0
-            self.m.zero("tokenflow_engine_losses", outcome=outcome)
+            for cause in causes:
+                self.m.zero("tokenflow_engine_losses", outcome=outcome, cause=cause)
         self.m.zero("tokenflow_continuation_stall_seconds")
         self.m.zero("tokenflow_continuation_stalls")
 
-    def on_lost(self, outcome: str) -> None:
-        self.m.inc("tokenflow_engine_losses", 1, outcome=outcome)
+    def on_lost(self, outcome: str, cause: str) -> None:
+        self.m.inc("tokenflow_engine_losses", 1, outcome=outcome, cause=cause)
 
     def on_splice(self, gap_s: float, stall_s: float) -> None:
         self.m.observe("tokenflow_continuation_gap_seconds", gap_s)

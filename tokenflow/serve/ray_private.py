@@ -28,3 +28,19 @@ from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi  #
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,  # noqa: F401
 )
+
+
+def replica_stopping():
+    """A cheap read of whether Serve has begun to stop the replica this code
+    runs in (its graceful shutdown sets `Replica._shutting_down` before it
+    drains the replica's requests; the user callable hears of it only after,
+    in `__del__`). The replica is the actor object of this worker. None
+    outside a Serve replica."""
+    import ray
+
+    worker = ray._private.worker.global_worker
+    actor = getattr(worker, "actors", {}).get(worker.actor_id)
+    impl = getattr(actor, "_replica_impl", None)
+    if impl is None or not hasattr(impl, "_shutting_down"):
+        return None
+    return lambda: impl._shutting_down

@@ -36,7 +36,7 @@ SCHEDULER_POLL_S = 0.5  # least interval between reads of the scheduler's summar
 class EngineAgent:
     def __init__(self, tracker: EngineTracker, router: RoutingSettings, kv: kv_pool.KVPoolSettings,
                  *, app_name: str, engine_id: str, replica: str = "", scheduler_state=None, metrics=None,
-                 engine_dead=None):
+                 engine_dead=None, stopping=None):
         self.tracker = tracker
         self.router_settings = router
         self.kv_settings = kv
@@ -59,6 +59,9 @@ class EngineAgent:
         self.metrics = metrics
         # () -> bool: whether the replica's EngineCore has died
         self._engine_dead = engine_dead or (lambda: False)
+        # () -> bool: whether Serve has begun to stop the replica
+        self._stopping = stopping or (lambda: False)
+        self._left = False  # said so once
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
@@ -156,6 +159,14 @@ class EngineAgent:
             # Leave the slack routing at once (an idle dead engine would look
             # like the most slack), and stay out until Serve replaces us.
             logger.error(f"TokenFlow engine {self.engine_id}: its EngineCore died; leaving the routing")
+            await self._router.forget.remote(self.engine_id)
+            return False
+        if self._stopping():
+            # Our streams are being handed over: their continuations, and new
+            # requests, must go to the other engines.
+            if not self._left:
+                logger.info(f"TokenFlow engine {self.engine_id}: Serve is stopping this replica; leaving the routing")
+                self._left = True
             await self._router.forget.remote(self.engine_id)
             return False
         state = self.state().to_dict()
