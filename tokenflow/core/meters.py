@@ -46,6 +46,8 @@ class StepCostFit:
     prefill_samples: int = 0
     _coef: tuple[float, float, float] | None = None
     _stale: bool = True
+    _start: tuple[float, float] | None = None
+    _start_stale: bool = True  # both read once a decision; solved again only after a new step
 
     def add(self, seconds: float, decode: int, prefill: int, starts: int = 0) -> None:
         x = (1.0, decode / DECODE_UNIT, prefill / PREFILL_UNIT, starts / STARTS_UNIT)
@@ -57,7 +59,7 @@ class StepCostFit:
             self.xy[i] = lam * self.xy[i] + x[i] * seconds
         self.samples += 1
         self.prefill_samples += prefill > 0
-        self._stale = True
+        self._stale = self._start_stale = True
 
     def coef(self) -> tuple[float, float, float] | None:
         """(base s, s per decode token, s per prefill token), or None while
@@ -78,12 +80,14 @@ class StepCostFit:
         columns: what a resume adds to its step beyond its tokens (the
         scheduler's and the runner's per-request work). None while the
         steps seen cannot tell starts from prefill tokens."""
-        if self.prefill_samples < self.min_samples:
-            return None
-        sol = _solve(self.xx, self.xy)
-        if sol is None or sol[0] <= 0 or sol[2] <= 0 or sol[3] < 0:
-            return None
-        return sol[2] / PREFILL_UNIT, sol[3] / STARTS_UNIT
+        if self._start_stale:
+            self._start_stale = False
+            self._start = None
+            if self.prefill_samples >= self.min_samples:
+                sol = _solve(self.xx, self.xy)
+                if sol is not None and sol[0] > 0 and sol[2] > 0 and sol[3] >= 0:
+                    self._start = (sol[2] / PREFILL_UNIT, sol[3] / STARTS_UNIT)
+        return self._start
 
     def coef2(self) -> tuple[float, float] | None:
         """(s per step, s per decode token) with the prefill done alongside
