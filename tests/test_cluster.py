@@ -560,9 +560,15 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     base = cluster_app["base"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
 
-    # One KV pool per engine node, none on the engine-less head node.
-    pools = list_pools()  # actor name -> node id
-    assert sorted(pools.values()) == sorted(cluster_app["nodes"])
+    # One KV pool per engine node, none on the engine-less head node. An
+    # engine registers with its node's pool beside its state pushes, so a
+    # pool can appear after the router has fresh states (the pool's actor
+    # needs a worker process: seconds on 2 busy cores; one clean-clone run
+    # found none yet).
+    deadline = time.monotonic() + 60
+    while sorted((pools := list_pools()).values()) != sorted(cluster_app["nodes"]) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert sorted(pools.values()) == sorted(cluster_app["nodes"])  # actor name -> node id
     stats = [ray.get(ray.get_actor(n, namespace=NAMESPACE).stats.remote(), timeout=30) for n in pools]
     for st in stats:
         assert st["running_on"] == st["node_id"]  # pinned where it belongs
