@@ -18,7 +18,6 @@ from tokenflow.serve.failover import (
     STOPPING,
     EngineLost,
     bounce_if_engine_dead,
-    hand_over_when_stopping,
     loss_cause,
     relay,
 )
@@ -161,7 +160,8 @@ def test_a_stopping_replica_hands_its_streams_over():
 
     async def collect():
         nonlocal stopping
-        async for x in hand_over_when_stopping(scripted([[sse("a")], [sse("b")], [sse("c")]])[0](), lambda: stopping):
+        async for x in bounce_if_engine_dead(scripted([[sse("a")], [sse("b")], [sse("c")]])[0](), lambda: False,
+                                             lambda: stopping):
             out.append(x)
             stopping = True  # Serve stops the replica while the first chunk is relayed
     with pytest.raises(EngineLost) as lost:
@@ -176,7 +176,8 @@ def test_a_stopping_replica_hands_its_streams_over():
     assert loss_cause(ActorDiedError()) == "failure"
     # Not stopping: the stream as it is.
     async def whole():
-        return [x async for x in hand_over_when_stopping(scripted([sse("a"), sse("b")])[0](), lambda: False)]
+        return [x async for x in bounce_if_engine_dead(scripted([sse("a"), sse("b")])[0](), lambda: False,
+                                                       lambda: False)]
     assert asyncio.run(whole()) == [sse("a"), sse("b")]
 
 

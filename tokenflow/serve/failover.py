@@ -162,22 +162,8 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 await asyncio.sleep(resend_after_s)
 
 
-async def hand_over_when_stopping(gen: AsyncIterator, stopping: Callable[[], bool]) -> AsyncIterator:
-    """A replica's response stream, handed over once Serve begins to stop
-    the replica (a new config version, or fewer replicas): after the chunk
-    in hand it raises EngineLost, as a lost engine does, so the ingress
-    continues the stream on another engine instead of Serve holding the
-    shutdown open until `graceful_shutdown_timeout_s` cuts it. A stream its
-    engine holds paused sends no chunk, so it is handed over when it runs
-    again (the policy resumes it before its reader runs dry)."""
-    async for item in gen:
-        yield item
-        if stopping():  # a cheap read, after every chunk
-            await gen.aclose()  # aborts its engine request here: another engine goes on
-            raise EngineLost(STOPPING)
-
-
-async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) -> AsyncIterator:
+async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool],
+                                stopping: Callable[[], bool] = lambda: False) -> AsyncIterator:
     """A replica's response stream, where a failure caused by its dead
     EngineCore raises EngineLost, as a lost replica does on the ingress's
     side: before the first token the ingress re-sends the request, after it
@@ -185,12 +171,24 @@ async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool]) ->
     vLLM ends a stream whose engine died with its own error event, and
     raises for a whole request. A batch that holds tokens and that event is
     dropped whole: the ingress never relayed its tokens, so a continuation
-    generates them again."""
+    generates them again.
+
+    Once Serve begins to stop the replica (`stopping()`: a new config
+    version, or fewer replicas), the stream is handed over the same way:
+    after the chunk in hand its engine request is closed (aborted there) and
+    EngineLost raised, so the ingress continues it on another engine instead
+    of Serve holding the shutdown open until `graceful_shutdown_timeout_s`
+    cuts it. A stream its engine holds paused sends no chunk, so it is
+    handed over when it runs again (the policy resumes it before its reader
+    runs dry). One wrapper for both: it runs on every chunk."""
     try:
         async for item in gen:
             if dead() and is_error_event(item):  # dead() first: a cheap read on every chunk
                 raise EngineLost(CORE_DIED)
             yield item
+            if stopping():  # a cheap read too
+                await gen.aclose()
+                raise EngineLost(STOPPING)
     except EngineLost:
         raise
     except Exception as e:

@@ -29,7 +29,7 @@ from ray.serve.llm.openai_api_models import ErrorResponse
 
 from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
-from tokenflow.serve.failover import CORE_DIED, STOPPING, EngineLost, bounce_if_engine_dead, hand_over_when_stopping
+from tokenflow.serve.failover import CORE_DIED, STOPPING, EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
 from tokenflow.serve.ray_private import ErrorInfo, replica_stopping
 from tokenflow.serve.routing.ranking import RoutingSettings
@@ -137,7 +137,7 @@ class TokenFlowLLMServer(LLMServer):
     def _track(self, request, gen, arrival: float):
         if not hasattr(gen, "__aiter__"):
             return gen
-        gen = hand_over_when_stopping(bounce_if_engine_dead(gen, self._engine_dead), self._stopping)
+        gen = bounce_if_engine_dead(gen, self._engine_dead, self._stopping)
         xargs = request.vllm_xargs
         return tracked(gen, self._tracker, rate=float(xargs[RATE_KEY]),
                        stream=bool(getattr(request, "stream", False)), arrival=arrival,
