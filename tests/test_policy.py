@@ -95,6 +95,26 @@ def test_overload_falls_back_to_fcfs():
     assert d.fallback_fcfs and d.run == [f"r{i}" for i in range(5)]
 
 
+def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
+    """A reader at its resume level takes the slot of a running reader with
+    3 s of buffer while the readers need little of what the engine decodes;
+    when they need most of it, each swap's cost would eat the spare, so the
+    running reader keeps its slot (at or past capacity, nobody is swapped)."""
+    policy = TokenFlowPolicy(TokenFlowConfig(dt=0.1))
+    # 4 slots at 100 tokens/s each: 400 tokens/s; a host tier; 1 ms a token recomputed.
+    eng = EngineView(16, 1000, 960, 4, decode_tps=400.0, step_rate=100.0, prefill_tps=1000.0,
+                     step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=1000, running=4)
+    running = [RequestView(f"run{i}", Phase.RUNNING, 0.0, 10.0, 30.0, 40, 1000, 100, 7, True) for i in range(4)]
+    dry = RequestView("dry", Phase.PAUSED, 0.0, 10.0, 0.0, 40, 1000, 100, 7, False, host_blocks=6)
+    light = policy.decide(running + [dry], eng)
+    assert "dry" in light.run and light.swap_share > 0.4
+    # Readers parked with 100 s of buffer each, who need 320 tokens/s between them.
+    parked = [RequestView(f"far{i}", Phase.PAUSED, 0.0, 80.0, 8000.0, 900, 1000, 960, 61, False) for i in range(4)]
+    near = policy.decide(running + [dry] + parked, eng)
+    assert not near.fallback_fcfs and 0 < near.swap_share < 0.05
+    assert sorted(near.run) == [f"run{i}" for i in range(4)] and "dry" not in near.run
+
+
 # --- invariants -------------------------------------------------------------
 phases = st.sampled_from([Phase.WAITING, Phase.RUNNING, Phase.PAUSED])
 
@@ -120,7 +140,9 @@ def populations(draw):
                      max_num_seqs=draw(st.integers(1, 64)),
                      decode_tps=draw(st.one_of(st.none(), st.floats(100, 10_000))),
                      step_rate=draw(st.one_of(st.none(), st.floats(1, 200))),
-                     prefill_tps=draw(st.one_of(st.none(), st.floats(100, 10_000))))
+                     prefill_tps=draw(st.one_of(st.none(), st.floats(100, 10_000))),
+                     step_cost=draw(st.one_of(st.none(), st.tuples(st.floats(0.001, 0.1), st.floats(0, 0.01)))),
+                     running=draw(st.integers(0, 64)))
     return reqs, eng
 
 
@@ -148,7 +170,7 @@ def test_decision_invariants(pop, name):
     assert blocks <= eng.total_blocks or len(on_device) == 1
     assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
     if name == "tokenflow":
-        pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng)]
+        pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng, d.swap_share)]
         grow = math.ceil((eng.step_rate or 1.0) * cfg.dt / eng.block_size)
         need = sum(r.blocks + grow for r in pinned)
         budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
@@ -173,7 +195,7 @@ def test_decision_time_is_small_at_400():
 # --- the rank key against the paper's rules, written plainly ----------------------
 # The key is tuned for speed (constants bound once, comparisons for clamps);
 # this is steps 4 and 5 with min()/max(), which it must equal exactly.
-def reference_key(cfg, r, eng):
+def reference_key(cfg, r, eng, share=0.5):
     step_rate = eng.step_rate or 1.0 / cfg.dt
     speed_dt = step_rate * cfg.dt
     if eng.transfer_tps:
@@ -183,9 +205,7 @@ def reference_key(cfg, r, eng):
     rate, b, n, step = r.rate, r.buffer_tokens, r.num_tokens, 1.0 / step_rate
     bonus = 0.0
     if r.phase is Phase.RUNNING:
-        swap_s = n * swap + step
-        resume_level = cfg.mu * (n * load + step + cfg.dt)
-        if not r.num_output or b / rate < resume_level + cfg.dt + swap_s:
+        if not r.num_output:
             return KEEP_RUNNING, b / rate
         # what the swap costs, priced as a release: the batch recomputes the
         # context (no host tier) or its unfinished tail block (host tier,
@@ -197,6 +217,13 @@ def reference_key(cfg, r, eng):
             bonus = (((n - 1) % eng.block_size) * recompute + start) * batch_tps + (step + n * load) * step_rate
         else:
             bonus = (n * recompute + start) * batch_tps
+        # paused only past the resume level by one interval and the swap's
+        # time, and by enough decoding that the swap's cost stays within
+        # its share of the engine
+        resume_level = cfg.mu * (n * load + step + cfg.dt)
+        surplus = max(rate * (cfg.dt + n * swap + step), bonus / share if share > 0 else math.inf)
+        if b < rate * resume_level + surplus:
+            return KEEP_RUNNING, b / rate
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
@@ -264,7 +291,7 @@ def check_follows_rank(policy, reqs, eng):
     newcomers = sorted((r for r in reqs if r.phase is Phase.WAITING and r.req_id in chosen),
                        key=lambda r: r.arrival_time)
     candidates = [r for r in reqs if r.phase is not Phase.WAITING] + newcomers
-    ranked = [r.req_id for r in policy.rank(candidates, eng)]
+    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share)]
     assert d.order == [i for i in ranked if i in chosen]
     by_id = {r.req_id: r for r in reqs}
     released = [by_id[i].buffer_s for i in d.pause_release if by_id[i].kv_resident]

@@ -167,6 +167,13 @@ class EngineMeters:
         return self.peak_decode_tps or None
 
     @property
+    def decode_step_cost(self) -> tuple[float, float] | None:
+        """(s per step, s per decode token) of a decode step: the fit without
+        prefill where it can tell, else at the current prefill load."""
+        c = self.fit.coef()
+        return (c[0], c[1]) if c is not None else self.fit.coef2()
+
+    @property
     def start_seconds(self) -> float | None:
         """Step seconds each request (re)added to the batch costs beyond its
         prefill tokens; None until the steps seen can tell."""

@@ -22,7 +22,12 @@ Steps, as in the paper:
     return (reload or recompute, one step) plus the interval to the next
     decision, times mu; a running request may be paused only with a buffer
     above that level by one interval plus the swap's own cost (evict,
-    reload, a step out), so every pause lasts at least one interval. A
+    reload, a step out), so every pause lasts at least one interval, and by
+    enough decoding that what the swap costs the batch (step 5) stays within
+    the share of the engine swaps may take: half its spare capacity, the
+    readers' need against what the batch that fits in KV decodes
+    (`swap_share`). As the need nears capacity, readers run longer between
+    swaps; at capacity none is swapped out. A
     waiting request whose reader has begun (a stream continued from a lost
     engine, or one vLLM preempted) is a released pause: it jumps ahead of
     newcomers only when its buffer nears that level.
@@ -99,6 +104,9 @@ class EngineView:
     step_rate: float | None = None  # measured decode steps/s = tokens/s per request
     prefill_tps: float | None = None  # measured prefill tokens/s
     start_s: float | None = None  # measured step seconds per request (re)added to the batch
+    # Measured (s per step, s per decode token) of a decode step: what a
+    # batch of k requests decodes per second, k / (base + per_token * k).
+    step_cost: tuple[float, float] | None = None
     transfer_tps: float | None = None  # host<->device KV tokens/s; None: no offload
     host_blocks: int = 0  # this engine's share of the host KV pool, in blocks
     running: int = 0  # requests in the batch now (0: not given)
@@ -124,6 +132,9 @@ class Decision:
     # whatever the host holds: vLLM's connector does it unasked.)
     recompute: list[str] = field(default_factory=list)
     fallback_fcfs: bool = False
+    # The share of the engine's decode time that swaps may take this
+    # interval: half its spare capacity (see `swap_share`). 0: none.
+    swap_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +172,7 @@ class Pool:
     required: float  # the active readers' rates, summed
     n_running: int
     blocks: int  # KV blocks of all requests, summed
+    active_blocks: int  # KV blocks of the running and paused requests, summed
     waiting_blocks: int  # KV blocks the waiting requests need to start
 
 
@@ -184,7 +196,7 @@ def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
         required += rate if rate < rate_cap else rate_cap
         if phase is running:
             n_running += 1
-    return Pool(waiting, active, required, n_running, blocks, waiting_blocks)
+    return Pool(waiting, active, required, n_running, blocks, blocks - waiting_blocks, waiting_blocks)
 
 
 @dataclass(slots=True)
@@ -215,6 +227,42 @@ def contended(q: QueueCounts, kv_headroom: float) -> bool:
     return q.waiting_blocks + headroom_blocks(kv_headroom, q.total_blocks) > q.free_blocks
 
 
+# No measure of spare capacity yet: swaps may take half the engine.
+DEFAULT_SWAP_SHARE = 0.5
+
+
+def fitting_capacity(pool: Pool, eng: EngineView, kv_headroom: float) -> float | None:
+    """Decode tokens/s the engine gives the active readers: as many of them
+    as fit at once (sequence slots, or KV blocks at their mean footprint
+    plus a block of growth), at the measured step cost of a batch that
+    size. Long answers fill KV long before the slots run out, and then the
+    best decode rate seen (short contexts, every slot busy) overstates it."""
+    if not pool.active:
+        return None
+    usable = eng.total_blocks - headroom_blocks(kv_headroom, eng.total_blocks)
+    footprint = pool.active_blocks / len(pool.active) + 1
+    k = max(1, min(eng.max_num_seqs, int(usable // footprint)))
+    if eng.step_cost is not None:
+        base, per_token = eng.step_cost
+        return k / (base + per_token * k)
+    return k * eng.step_rate if eng.step_rate else None
+
+
+def swap_share(required: float, capacity: float | None) -> float:
+    """The share of decode time that swapping readers in and out may take:
+    half the spare capacity, 1 - required / capacity. Each swap costs the
+    batch a fixed amount of work, so the pause level asks a reader to run
+    long enough between swaps to keep within this share. Half, so that what
+    the engine delivers stays above what its readers need, with room for
+    the estimates' error. At or past capacity the share is 0: no reader
+    is swapped out, and they run in the order they hold their slots until
+    they finish, as in the paper's FCFS fallback."""
+    if not capacity:
+        return DEFAULT_SWAP_SHARE
+    spare = 1.0 - required / capacity
+    return spare / 2 if spare > 0.0 else 0.0
+
+
 def fcfs_decision(reqs: list[RequestView]) -> Decision:
     """Everyone runs or is admitted in arrival order, paused readers (who
     arrived earlier) before newcomers; vLLM packs memory in that order."""
@@ -240,6 +288,7 @@ class TokenFlowPolicy:
             return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
+        share = swap_share(pool.required, fitting_capacity(pool, eng, cfg.kv_headroom))
         by_arrival = sorted(pool.waiting, key=_ARRIVAL)
         # The earliest arrivals get the room; the rest are deferred. The
         # working set never defers a newcomer that fits in the free slots and
@@ -249,8 +298,10 @@ class TokenFlowPolicy:
         newcomers, deferred = by_arrival[:room], by_arrival[room:]
         candidates = pool.active + newcomers
         # sorted() is stable: equal keys keep the order of `candidates`.
-        chosen = self.pack(self.rank(candidates, eng), eng)
-        return self.to_decision(pool, chosen, deferred, eng)
+        chosen = self.pack(self.rank(candidates, eng, share), eng)
+        d = self.to_decision(pool, chosen, deferred, eng)
+        d.swap_share = share
+        return d
 
     def needs_decision(self, q: QueueCounts) -> bool:
         return contended(q, self.cfg.kv_headroom)
@@ -287,17 +338,19 @@ class TokenFlowPolicy:
         # Never fewer than one newcomer when nothing runs, or the engine idles.
         return max(0 if n_running else 1, math.floor(w_sched) - n_current)
 
-    def rank(self, candidates: list[RequestView], eng: EngineView) -> list[RequestView]:
+    def rank(self, candidates: list[RequestView], eng: EngineView,
+             share: float = DEFAULT_SWAP_SHARE) -> list[RequestView]:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
         highest first. Sorts are stable: equal keys keep the given order."""
         ranked = []
-        for tier in self.tiers(candidates, eng):
+        for tier in self.tiers(candidates, eng, share):
             tier.sort(key=_VALUE)
             ranked.extend(map(_REQUEST, tier))
         return ranked
 
-    def tiers(self, reqs: list[RequestView], eng: EngineView) -> tuple[list, list, list]:
+    def tiers(self, reqs: list[RequestView], eng: EngineView,
+              share: float = DEFAULT_SWAP_SHARE) -> tuple[list, list, list]:
         """Each request as a (value, request) pair in its tier, in the given
         order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
         BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
@@ -319,10 +372,8 @@ class TokenFlowPolicy:
             rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
                 # Mid-prefill requests never pause: the work done would be
-                # lost. The pause level: back in time (released, the worst
-                # case) for one more interval, plus the swap's cost.
-                swap_s = n * swap + step
-                if not r.num_output or b < rate * (mu * (n * load + step + dt) + dt + swap_s):
+                # lost.
+                if not r.num_output:
                     keep.append((b / rate, r))
                     continue
                 # The tokens the engine loses to this swap, priced as a
@@ -340,6 +391,18 @@ class TokenFlowPolicy:
                     bonus = (((n - 1) % bs) * recompute + start) * batch_tps + (step + n * load) * lv.step_rate
                 else:
                     bonus = (n * recompute + start) * batch_tps
+                # The pause level: back in time (released, the worst case)
+                # for one more interval, plus the swap's own time; and a run
+                # long enough that the swap's cost stays within its share
+                # of the engine (the reader decodes about `surplus` tokens
+                # between its resume and its next pause).
+                surplus = rate * (dt + n * swap + step)
+                batch_surplus = bonus / share if share > 0.0 else math.inf
+                if batch_surplus > surplus:
+                    surplus = batch_surplus
+                if b < rate * mu * (n * load + step + dt) + surplus:
+                    keep.append((b / rate, r))
+                    continue
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
@@ -355,19 +418,19 @@ class TokenFlowPolicy:
             rest.append((-(useful + gamma * exp(-b / rate) + bonus), r))
         return keep, resume, rest
 
-    def rank_key(self, r: RequestView, eng: EngineView) -> tuple[int, float]:
+    def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> tuple[int, float]:
         """(tier, value) of one request: where rank() puts it."""
-        for tier, members in enumerate(self.tiers([r], eng)):
+        for tier, members in enumerate(self.tiers([r], eng, share)):
             if members:
                 return tier, members[0][0]
         raise AssertionError("unreachable: every request has a tier")
 
-    def must_run(self, r: RequestView, eng: EngineView) -> bool:
-        return self.rank_key(r, eng)[0] != BY_PRIORITY
+    def must_run(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> bool:
+        return self.rank_key(r, eng, share)[0] != BY_PRIORITY
 
-    def priority(self, r: RequestView, eng: EngineView) -> float:
+    def priority(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
-        tier, value = self.rank_key(r, eng)
+        tier, value = self.rank_key(r, eng, share)
         return -value if tier == BY_PRIORITY else math.inf
 
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:

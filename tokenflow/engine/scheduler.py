@@ -261,6 +261,7 @@ class TokenFlowMixin:
             step_rate=m.step_rate.value,
             prefill_tps=m.prefill_speed,
             start_s=m.start_seconds,
+            step_cost=m.decode_step_cost,
             transfer_tps=tier.transfer_tps() if tier is not None else None,
             host_blocks=tier.capacity_blocks() if tier is not None else 0,
             running=len(self.running),

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from tokenflow.core.policy import DEFAULT_SWAP_SHARE
+
 TRACE_ENV = "TOKENFLOW_TRACE_DIR"
 ID_CHARS = 12  # request ids are long; the tail tells them apart within a run
 
@@ -33,13 +35,14 @@ class DecisionTrace:
 
     def record(self, now: float, views, eng, decision, policy) -> None:
         rank_key = getattr(policy, "rank_key", None)  # TokenFlow's; Andes ranks otherwise
+        share = decision.swap_share if decision is not None else DEFAULT_SWAP_SHARE  # the one the rank used
 
         def short(ids):
             return [i[-ID_CHARS:] for i in ids]
 
         rows = []
         for r in views:
-            tier, value = rank_key(r, eng) if rank_key is not None else (None, None)
+            tier, value = rank_key(r, eng, share) if rank_key is not None else (None, None)
             rows.append([r.req_id[-ID_CHARS:], r.phase.value, round(r.buffer_s, 3), r.num_output, r.rate,
                          r.blocks, r.kv_resident, tier, None if value is None else round(value, 4)])
         line = {"t": round(now, 4),
@@ -47,12 +50,13 @@ class DecisionTrace:
                            "host_blocks": eng.host_blocks, "max_num_seqs": eng.max_num_seqs,
                            "decode_tps": eng.decode_tps, "step_rate": eng.step_rate,
                            "prefill_tps": eng.prefill_tps, "transfer_tps": eng.transfer_tps, "start_s": eng.start_s,
-                           "running": eng.running},
+                           "step_cost": eng.step_cost, "running": eng.running},
                 "decided": decision is not None,
                 "requests": rows,  # id, phase, buffer_s, tokens out, rate, blocks, resident, tier, value
                 }
         if decision is not None:
-            line.update(fallback=decision.fallback_fcfs, run=short(decision.run), admit=short(decision.admit),
+            line.update(fallback=decision.fallback_fcfs, swap_share=decision.swap_share,
+                        run=short(decision.run), admit=short(decision.admit),
                         pause_hold=short(decision.pause_hold), pause_release=short(decision.pause_release),
                         defer=short(decision.defer), wait=short(decision.wait))
         self._file.write(json.dumps(line) + "\n")
