@@ -14,6 +14,7 @@ from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
 from tokenflow.core.config import TokenFlowConfig, parse_rate
 from tokenflow.core.policy import (
     BY_PRIORITY,
+    GUARDED,
     KEEP_RUNNING,
     MUST_RESUME,
     EngineView,
@@ -99,7 +100,8 @@ def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     """A reader at its resume level takes the slot of a running reader with
     3 s of buffer while the readers need little of what the engine decodes;
     when they need most of it, each swap's cost would eat the spare, so the
-    running reader keeps its slot (at or past capacity, nobody is swapped)."""
+    running reader keeps its slot against readers (at or past capacity,
+    always), though not against a newcomer's first token."""
     policy = TokenFlowPolicy(TokenFlowConfig(dt=0.1))
     # 4 slots at 100 tokens/s each: 400 tokens/s; a host tier; 1 ms a token recomputed.
     eng = EngineView(16, 1000, 960, 4, decode_tps=400.0, step_rate=100.0, prefill_tps=1000.0,
@@ -113,6 +115,10 @@ def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     near = policy.decide(running + [dry] + parked, eng)
     assert not near.fallback_fcfs and 0 < near.swap_share < 0.05
     assert sorted(near.run) == [f"run{i}" for i in range(4)] and "dry" not in near.run
+    # A newcomer's first token still takes a guarded reader's place.
+    new = RequestView("new", Phase.WAITING, 1.0, 10.0, 0.0, 0, 1000, 60, 4)
+    first = policy.decide(running + [dry, new] + parked, eng)
+    assert first.admit == ["new"] and len(first.run) == 3 and "dry" not in first.run
 
 
 # --- invariants -------------------------------------------------------------
@@ -171,10 +177,12 @@ def test_decision_invariants(pop, name):
     assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
     if name == "tokenflow":
         pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng, d.swap_share)]
+        # A reader at its resume level is owed room only beside the guarded ones.
+        guarded = [r for r in reqs if policy.rank_key(r, eng, d.swap_share)[0] == GUARDED]
         grow = math.ceil((eng.step_rate or 1.0) * cfg.dt / eng.block_size)
-        need = sum(r.blocks + grow for r in pinned)
+        need = sum(r.blocks + grow for r in pinned + guarded)
         budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
-        if len(pinned) <= eng.max_num_seqs and need <= budget:
+        if len(pinned) + len(guarded) <= eng.max_num_seqs and need <= budget:
             assert {r.req_id for r in pinned} <= set(d.run), "a reader about to run dry was paused"
 
 
@@ -203,7 +211,7 @@ def reference_key(cfg, r, eng, share=0.5):
     else:
         load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
     rate, b, n, step = r.rate, r.buffer_tokens, r.num_tokens, 1.0 / step_rate
-    bonus = 0.0
+    bonus, tier = 0.0, BY_PRIORITY
     if r.phase is Phase.RUNNING:
         if not r.num_output:
             return KEEP_RUNNING, b / rate
@@ -218,18 +226,19 @@ def reference_key(cfg, r, eng, share=0.5):
         else:
             bonus = (n * recompute + start) * batch_tps
         # paused only past the resume level by one interval and the swap's
-        # time, and by enough decoding that the swap's cost stays within
-        # its share of the engine
-        resume_level = cfg.mu * (n * load + step + cfg.dt)
-        surplus = max(rate * (cfg.dt + n * swap + step), bonus / share if share > 0 else math.inf)
-        if b < rate * resume_level + surplus:
+        # time; guarded from paused readers until past it by enough decoding
+        # that the swap's cost stays within its share of the engine
+        resume_level = rate * cfg.mu * (n * load + step + cfg.dt)
+        if b < resume_level + rate * (cfg.dt + n * swap + step):
             return KEEP_RUNNING, b / rate
+        if share == 0 or b < resume_level + bonus / share:
+            tier = GUARDED
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
     useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
-    return BY_PRIORITY, -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
+    return tier, -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
 
 
 @st.composite

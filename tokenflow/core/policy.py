@@ -22,12 +22,14 @@ Steps, as in the paper:
     return (reload or recompute, one step) plus the interval to the next
     decision, times mu; a running request may be paused only with a buffer
     above that level by one interval plus the swap's own cost (evict,
-    reload, a step out), so every pause lasts at least one interval, and by
-    enough decoding that what the swap costs the batch (step 5) stays within
-    the share of the engine swaps may take: half its spare capacity, the
-    readers' need against what the batch that fits in KV decodes
+    reload, a step out), so every pause lasts at least one interval. Past
+    that level it is still guarded from paused readers (a newcomer's first
+    token may take its place, a paused reader's resume may not) until it
+    has decoded enough that what the swap costs the batch (step 5) stays
+    within the share of the engine swaps may take: half its spare capacity,
+    the readers' need against what the batch that fits in KV decodes
     (`swap_share`). As the need nears capacity, readers run longer between
-    swaps; at capacity none is swapped out. A
+    swaps; at capacity no reader is swapped out for another. A
     waiting request whose reader has begun (a stream continued from a lost
     engine, or one vLLM preempted) is a released pause: it jumps ahead of
     newcomers only when its buffer nears that level.
@@ -61,7 +63,8 @@ from tokenflow.core.config import TokenFlowConfig
 # follow by priority U.
 KEEP_RUNNING = 0  # running, its buffer at or below the pause level
 MUST_RESUME = 1  # paused, its buffer at or below the resume level
-BY_PRIORITY = 2
+GUARDED = 2  # running past the pause level, not yet past the swap's share: ranked by U, but no paused reader's place
+BY_PRIORITY = 3
 _VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
 _ARRIVAL = attrgetter("arrival_time")
 
@@ -255,8 +258,8 @@ def swap_share(required: float, capacity: float | None) -> float:
     long enough between swaps to keep within this share. Half, so that what
     the engine delivers stays above what its readers need, with room for
     the estimates' error. At or past capacity the share is 0: no reader
-    is swapped out, and they run in the order they hold their slots until
-    they finish, as in the paper's FCFS fallback."""
+    is swapped out for another, and readers keep the slots they hold, as
+    in the paper's FCFS fallback; newcomers still get their first tokens."""
     if not capacity:
         return DEFAULT_SWAP_SHARE
     spare = 1.0 - required / capacity
@@ -342,18 +345,30 @@ class TokenFlowPolicy:
              share: float = DEFAULT_SWAP_SHARE) -> list[RequestView]:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
-        highest first. Sorts are stable: equal keys keep the given order."""
-        ranked = []
-        for tier in self.tiers(candidates, eng, share):
-            tier.sort(key=_VALUE)
-            ranked.extend(map(_REQUEST, tier))
-        return ranked
+        highest first. A paused reader at its resume level takes free room
+        or the place of a running reader past its guard, never a guarded
+        one's: those it cannot have so rank after every running request and
+        newcomer (the guarded compete with newcomers by U alone). Sorts are
+        stable: equal keys keep the given order."""
+        keep, resume, guard, rest = self.tiers(candidates, eng, share)
+        keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
+        by_u = list(map(_REQUEST, sorted(guard + rest, key=_VALUE)))
+        if not (guard and resume):
+            return keep + resume + by_u
+        room = {id(r) for r in self.pack(keep + [r for _, r in guard] + resume, eng)}
+        first = [r for r in resume if id(r) in room]
+        if len(first) == len(resume):
+            return keep + resume + by_u
+        later = [r for r in resume if id(r) not in room]
+        paused = Phase.PAUSED
+        readers = [r for r in by_u if r.phase is paused or r.reading]
+        return keep + first + [r for r in by_u if not (r.phase is paused or r.reading)] + later + readers
 
     def tiers(self, reqs: list[RequestView], eng: EngineView,
-              share: float = DEFAULT_SWAP_SHARE) -> tuple[list, list, list]:
+              share: float = DEFAULT_SWAP_SHARE) -> tuple[list, list, list, list]:
         """Each request as a (value, request) pair in its tier, in the given
         order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
-        BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
+        GUARDED and BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
         all candidates per decision, so the constants are bound once and the
         clamps are comparisons, not min()/max()."""
         cfg = self.cfg
@@ -367,7 +382,7 @@ class TokenFlowPolicy:
         # the batch decodes per second now, not one request's speed.
         batch_tps = lv.step_rate * eng.running if eng.running else (eng.decode_tps or lv.step_rate)
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
-        keep, resume, rest = [], [], []
+        keep, resume, guard, rest = [], [], [], []
         for r in reqs:
             rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
@@ -392,31 +407,30 @@ class TokenFlowPolicy:
                 else:
                     bonus = (n * recompute + start) * batch_tps
                 # The pause level: back in time (released, the worst case)
-                # for one more interval, plus the swap's own time; and a run
-                # long enough that the swap's cost stays within its share
-                # of the engine (the reader decodes about `surplus` tokens
-                # between its resume and its next pause).
-                surplus = rate * (dt + n * swap + step)
-                batch_surplus = bonus / share if share > 0.0 else math.inf
-                if batch_surplus > surplus:
-                    surplus = batch_surplus
-                if b < rate * mu * (n * load + step + dt) + surplus:
+                # for one more interval, plus the swap's own time.
+                resume_level = rate * mu * (n * load + step + dt)
+                if b < resume_level + rate * (dt + n * swap + step):
                     keep.append((b / rate, r))
                     continue
+                # Guarded from paused readers until it has decoded enough
+                # since its resume that this swap's cost stays within the
+                # share of the engine swaps may take (the reader decodes
+                # about `bonus / share` tokens between resume and pause).
+                guarded = b < resume_level + bonus / share if share > 0.0 else True
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
                     resume.append((b / rate, r))
                     continue
-                bonus = 0.0
+                bonus, guarded = 0.0, False
             else:
-                bonus = 0.0
+                bonus, guarded = 0.0, False
             # useful = min(speed_dt, max(0.0, x)), with the builtins' tie rules.
             useful = high * r.max_tokens - b + rate * dt
             useful = useful if useful > 0.0 else 0.0
             useful = useful if useful < speed_dt else speed_dt
-            rest.append((-(useful + gamma * exp(-b / rate) + bonus), r))
-        return keep, resume, rest
+            (guard if guarded else rest).append((-(useful + gamma * exp(-b / rate) + bonus), r))
+        return keep, resume, guard, rest
 
     def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> tuple[int, float]:
         """(tier, value) of one request: where rank() puts it."""
@@ -426,12 +440,12 @@ class TokenFlowPolicy:
         raise AssertionError("unreachable: every request has a tier")
 
     def must_run(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> bool:
-        return self.rank_key(r, eng, share)[0] != BY_PRIORITY
+        return self.rank_key(r, eng, share)[0] in (KEEP_RUNNING, MUST_RESUME)
 
     def priority(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
         tier, value = self.rank_key(r, eng, share)
-        return -value if tier == BY_PRIORITY else math.inf
+        return -value if tier in (GUARDED, BY_PRIORITY) else math.inf
 
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
         """Take requests in order while sequence slots and KV blocks last."""
