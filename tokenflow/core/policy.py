@@ -345,24 +345,23 @@ class TokenFlowPolicy:
              share: float = DEFAULT_SWAP_SHARE) -> list[RequestView]:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
-        highest first. A paused reader at its resume level takes free room
-        or the place of a running reader past its guard, never a guarded
-        one's: those it cannot have so rank after every running request and
-        newcomer (the guarded compete with newcomers by U alone). Sorts are
-        stable: equal keys keep the given order."""
+        highest first. Guarded running readers rank with the newcomers, by
+        U, ahead of every other running or paused request: a paused reader
+        at its resume level takes free room or an unguarded reader's place,
+        never a guarded one's, and those it cannot have wait behind the
+        guarded. Sorts are stable: equal keys keep the given order."""
         keep, resume, guard, rest = self.tiers(candidates, eng, share)
         keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
-        by_u = list(map(_REQUEST, sorted(guard + rest, key=_VALUE)))
-        if not (guard and resume):
-            return keep + resume + by_u
+        if not guard:
+            return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE)))
+        waiting = Phase.WAITING
+        newcomers = [p for p in rest if p[1].phase is waiting and not p[1].reading]
+        others = [p for p in rest if not (p[1].phase is waiting and not p[1].reading)]
+        ahead = list(map(_REQUEST, sorted(guard + newcomers, key=_VALUE)))
         room = {id(r) for r in self.pack(keep + [r for _, r in guard] + resume, eng)}
         first = [r for r in resume if id(r) in room]
-        if len(first) == len(resume):
-            return keep + resume + by_u
         later = [r for r in resume if id(r) not in room]
-        paused = Phase.PAUSED
-        readers = [r for r in by_u if r.phase is paused or r.reading]
-        return keep + first + [r for r in by_u if not (r.phase is paused or r.reading)] + later + readers
+        return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE)))
 
     def tiers(self, reqs: list[RequestView], eng: EngineView,
               share: float = DEFAULT_SWAP_SHARE) -> tuple[list, list, list, list]:
