@@ -10,6 +10,7 @@ import random
 import pytest
 
 from tests.vllm_loop import FAST, TF_ASYNC, TF_SYNC, Burst, make_loop, run_burst, ttft_steps
+from tokenflow.core.policy import BY_PRIORITY, GUARDED, KEEP_RUNNING, MUST_RESUME
 
 BURST = Burst()
 TAIL = [f"r{i}" for i in range(BURST.requests, BURST.requests + BURST.late)]
@@ -346,4 +347,5 @@ def test_decision_trace_records_who_ranked_where(tmp_path, monkeypatch):
         loop.scheduler.tf_stats.pauses_hold + loop.scheduler.tf_stats.pauses_release
     seen = {row[0] for x in lines for row in x["requests"]}
     assert {f"r{i}" for i in range(BURST.requests)} <= seen  # every request of the burst was ranked
-    assert all(row[7] in (0, 1, 2) for x in lines for row in x["requests"])  # a tier each
+    tiers = (KEEP_RUNNING, MUST_RESUME, GUARDED, BY_PRIORITY)
+    assert all(row[7] in tiers for x in lines for row in x["requests"])  # a tier each

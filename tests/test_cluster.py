@@ -697,6 +697,13 @@ def test_slow_bodies_get_408_and_give_their_slots_back(cluster_app):
     import httpx
 
     base = cluster_app["base"]
+    # Every admission slot must be free first: a request left over from an
+    # earlier test would hold one, and the good client below would get in
+    # when it ends (seen once in a clean-clone run).
+    deadline = time.monotonic() + 60
+    while not _engines_idle(base):
+        assert time.monotonic() < deadline, "the engines never went idle"
+        time.sleep(0.25)
     good = {"model": "tiny-llama", "prompt": "a good client", "max_tokens": 4, "temperature": 0}
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{HTTP_PORT}\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode() + b'{"model": '
