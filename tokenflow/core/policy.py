@@ -355,9 +355,10 @@ class TokenFlowPolicy:
         if not guard:
             return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE)))
         waiting = Phase.WAITING
-        newcomers = [p for p in rest if p[1].phase is waiting and not p[1].reading]
-        others = [p for p in rest if not (p[1].phase is waiting and not p[1].reading)]
-        ahead = list(map(_REQUEST, sorted(guard + newcomers, key=_VALUE)))
+        ahead, others = list(guard), []
+        for p in rest:
+            (ahead if p[1].phase is waiting and not p[1].reading else others).append(p)
+        ahead = list(map(_REQUEST, sorted(ahead, key=_VALUE)))
         room = {id(r) for r in self.pack(keep + [r for _, r in guard] + resume, eng)}
         first = [r for r in resume if id(r) in room]
         later = [r for r in resume if id(r) not in room]
@@ -390,6 +391,12 @@ class TokenFlowPolicy:
                 if not r.num_output:
                     keep.append((b / rate, r))
                     continue
+                # The pause level: back in time (released, the worst case)
+                # for one more interval, plus the swap's own time.
+                resume_level = rate * mu * (n * load + step + dt)
+                if b < resume_level + rate * (dt + n * swap + step):
+                    keep.append((b / rate, r))
+                    continue
                 # The tokens the engine loses to this swap, priced as a
                 # release (the worst case, as the pause level is): the
                 # measured cost of putting a request back in the batch,
@@ -405,12 +412,6 @@ class TokenFlowPolicy:
                     bonus = (((n - 1) % bs) * recompute + start) * batch_tps + (step + n * load) * lv.step_rate
                 else:
                     bonus = (n * recompute + start) * batch_tps
-                # The pause level: back in time (released, the worst case)
-                # for one more interval, plus the swap's own time.
-                resume_level = rate * mu * (n * load + step + dt)
-                if b < resume_level + rate * (dt + n * swap + step):
-                    keep.append((b / rate, r))
-                    continue
                 # Guarded from paused readers until it has decoded enough
                 # since its resume that this swap's cost stays within the
                 # share of the engine swaps may take (the reader decodes
