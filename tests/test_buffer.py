@@ -53,6 +53,24 @@ def test_level_reads_the_buffer_without_moving_the_playhead():
     assert asked.buffer_at_arrival == pytest.approx(plain.buffer_at_arrival)
 
 
+def test_a_reader_without_history_keeps_the_same_levels_and_stalls():
+    """The scheduler's readers keep no per-token history; their buffer and
+    stall must still be those of the full model."""
+    rng = random.Random(5)
+    full, lean = ReaderBuffer(rate=9.0, arrival_time=0.0), ReaderBuffer(rate=9.0, arrival_time=0.0, history=False)
+    t = 0.0
+    for _ in range(300):
+        t += rng.expovariate(4.0)
+        n = rng.randint(1, 5)
+        full.on_tokens(t, n)
+        lean.on_tokens(t, n)
+        assert lean.level(t + 0.3) == pytest.approx(full.level(t + 0.3))
+    assert lean.delivered == full.delivered and lean.ttft == full.ttft
+    assert full.stall_time(t + 9) > 0
+    assert lean.stall_time(t + 9) == pytest.approx(full.stall_time(t + 9))
+    assert not lean.arrivals and not lean.buffer_at_arrival and len(full.arrivals) == full.delivered
+
+
 def test_buffer_at_arrival_and_weights():
     b = ReaderBuffer(rate=1.0, arrival_time=0.0)
     b.on_tokens(0.0, 20)  # buffers seen: 0..19

@@ -49,6 +49,9 @@ class ReaderBuffer:
     first_token_time: float | None = None
     delivered: int = 0
     finished: bool = False
+    # Keep each token's arrival time and buffer level (the metrics below
+    # need them); the scheduler only asks for levels, so it keeps none.
+    history: bool = True
     # Playhead state, advanced lazily by _advance().
     _position: float = 0.0
     _clock: float = 0.0
@@ -62,12 +65,13 @@ class ReaderBuffer:
             raise ValueError(f"consumption rate must be a positive number, got {self.rate!r}")
 
     @classmethod
-    def continued(cls, rate: float, now: float, unread: float, waited: float = 0.0) -> "ReaderBuffer":
+    def continued(cls, rate: float, now: float, unread: float, waited: float = 0.0,
+                  history: bool = True) -> "ReaderBuffer":
         """A reader who began this answer elsewhere (a stream continued from a
         lost engine), sent it `waited` seconds ago and holds `unread` tokens
         at `now`: it reads on from there, and stalls when they run out before
         new tokens come."""
-        r = cls(rate=rate, arrival_time=now - waited)
+        r = cls(rate=rate, arrival_time=now - waited, history=history)
         r.first_token_time = r._clock = now
         r.delivered = math.ceil(max(0.0, unread))
         r._position = r.delivered - max(0.0, unread)
@@ -94,6 +98,9 @@ class ReaderBuffer:
             self.first_token_time = t
             self._clock = t
         self._advance(t)
+        if not self.history:
+            self.delivered += n
+            return
         for _ in range(n):
             self.buffer_at_arrival.append(self.delivered - self._position)
             self.arrivals.append(t)

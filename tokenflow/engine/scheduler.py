@@ -88,7 +88,6 @@ class TokenFlowMixin:
         # (requests seen, wall seconds) of each recent decision, the
         # snapshot, the policy and the apply together.
         self.reschedule_seconds: deque[tuple[int, float]] = deque(maxlen=4096)
-        self._seen_output: dict[str, int] = {}
         self._computed_at_release: dict[str, int] = {}
         # The host KV tier (None without one); the connector is fixed for
         # the engine's life, so look once.
@@ -112,15 +111,14 @@ class TokenFlowMixin:
             logger.warning("request %s: bad consumption_rate %r, using default", request.request_id, value)
             rate = self.tf_config.default_rate
         self.readers[request.request_id] = self._reader_of(extra, rate)
-        self._seen_output[request.request_id] = 0
 
     def _reader_of(self, extra: dict | None, rate: float) -> ReaderBuffer:
         """A new request's reader; a stream continued from a lost engine
         brings its reader's unread tokens along (tokenflow/serve/continuation.py)."""
         now = self.clock()
         if (carried := parse_carried(extra)) is None:
-            return ReaderBuffer(rate=rate, arrival_time=now)
-        return ReaderBuffer.continued(rate, now, *carried)
+            return ReaderBuffer(rate=rate, arrival_time=now, history=False)
+        return ReaderBuffer.continued(rate, now, *carried, history=False)
 
     def schedule(self, *args, **kwargs):
         now = self.clock()
@@ -142,8 +140,7 @@ class TokenFlowMixin:
         result = super().update_from_output(scheduler_output, model_runner_output)
         now = self.clock()
         self._measure_step(scheduler_output, now)
-        for req_id in scheduler_output.num_scheduled_tokens:
-            self._observe(req_id, now)
+        self._observe(result, now)
         return result
 
     def finish_requests(self, request_ids, finished_status: RequestStatus):
@@ -169,19 +166,19 @@ class TokenFlowMixin:
         return running, waiting + len(self.held) + len(self.released) + len(self.deferred)
 
     # --- bookkeeping ------------------------------------------------------
-    def _observe(self, req_id: str, now: float) -> None:
-        reader = self.readers.get(req_id)
-        if reader is None:
-            return
-        req = self.requests.get(req_id)
-        if req is None or req.is_finished():
-            self._forget(req_id)
-            return
-        n = req.num_output_tokens
-        new = n - self._seen_output[req_id]
-        if new > 0:
-            reader.on_tokens(now, new)
-            self._seen_output[req_id] = n
+    def _observe(self, outputs, now: float) -> None:
+        """The step's new tokens into their readers, read off the outputs
+        the clients get: it runs on every step for every request in it."""
+        readers = self.readers
+        for eco in outputs.values():
+            for o in eco.outputs:
+                reader = readers.get(o.request_id)
+                if reader is None:
+                    continue
+                if o.new_token_ids:
+                    reader.on_tokens(now, len(o.new_token_ids))
+                if o.finish_reason is not None:
+                    self._forget(o.request_id)
 
     def _count_recompute(self, out) -> None:
         """On a released request's first step back, what it had to recompute:
@@ -197,7 +194,6 @@ class TokenFlowMixin:
     def _forget(self, req_id: str) -> None:
         self._computed_at_release.pop(req_id, None)
         self.readers.pop(req_id, None)
-        self._seen_output.pop(req_id, None)
         self.held.pop(req_id, None)
         self.released.pop(req_id, None)
         self.deferred.pop(req_id, None)
@@ -211,9 +207,12 @@ class TokenFlowMixin:
         if scheduled is None or not scheduler_output.total_num_scheduled_tokens:
             return
         start = scheduled if last is None else max(scheduled, last)
-        counts = scheduler_output.num_scheduled_tokens.values()
-        decode = sum(1 for n in counts if n == 1)
-        prefill = sum(n for n in counts if n > 1)
+        decode = prefill = 0
+        for n in scheduler_output.num_scheduled_tokens.values():
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
         # Requests the runner (re)adds to its batch this step: newcomers,
         # released ones resumed, and any left out of the step before (held
         # ones coming back), for which vLLM sends the whole token list.
