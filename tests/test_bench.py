@@ -29,6 +29,7 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["results"]) == {"fcfs", "andes", "tokenflow"}
+    assert summary["workload"]["order"] == ["fcfs", "andes", "tokenflow"]  # seed 0
     assert "engine-side" in summary["workload"]["timing"]
     # No GPU here: every scheduler ran synchronously, and the summary says so.
     assert summary["workload"]["engine"]["scheduling"] == "sync"
@@ -132,8 +133,8 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
     assert not left, left
 
 
-def test_bench_app_rotates_the_policy_order_with_the_seed():
-    from tokenflow.tools.bench_app import run_order
+def test_both_benches_rotate_the_order_with_the_seed():
+    from tokenflow.tools.bench import run_order
 
     orders = [run_order(["fcfs", "andes", "tokenflow"], seed) for seed in (1, 2, 3)]
     assert orders[2] == ["fcfs", "andes", "tokenflow"] and [o[0] for o in orders] == ["andes", "tokenflow", "fcfs"]

@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from tokenflow.tools import launcher
-from tokenflow.tools.bench import RATIO_KEYS, percentile, ratios
+from tokenflow.tools.bench import RATIO_KEYS, percentile, ratios, run_order
 from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.exporter import ClientMetrics
 from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
@@ -271,15 +271,6 @@ def plot_records(records: list[dict]) -> list[dict]:
 
 
 # --- the whole run ----------------------------------------------------------------
-
-def run_order(policies, seed: int) -> list[str]:
-    """The policies in the order their apps run: rotated by the seed, so that
-    over runs with seeds 0, 1, 2 each policy goes first once (the first app
-    also runs the calibration, and a machine drifts over a bench)."""
-    policies = list(policies)
-    k = seed % len(policies)
-    return policies[k:] + policies[:k]
-
 
 def bench_paths(out_dir: str, config: str, port: int | None) -> tuple[Path, Path, int]:
     """The output folder (made), the config (checked) and the app's port."""

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reading rates (tokens/s) drawn per request")
     c.add_argument("--prompt-tokens", type=_positive_int, default=64)
     c.add_argument("--output-tokens", type=_positive_int, default=1024)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0,
+                   help="the workload's seed; it also rotates the order the schedulers run in (seeds 0, 1, 2: each first once)")
     c.add_argument("--model", default="models/tiny-llama")
     c.add_argument("--kv-bytes", type=int, default=32 << 20, help="KV pool bytes (0: vLLM's default)")
     c.add_argument("--offload-bytes", type=int, default=256 << 20,
