@@ -44,7 +44,13 @@ def test_harness_async_equals_sync(stock):
 
 @pytest.mark.parametrize("policy", ["tokenflow", "andes"])
 def test_burst_pauses_under_async_and_outputs_equal(stock, policy):
-    loop = run_burst(make_loop(TF_ASYNC, {**FAST, "policy": policy}), BURST)
+    def readers_match_clients(lp):
+        # Each reader the scheduler ranks by has had exactly the tokens its
+        # client has received, pauses and steps in flight notwithstanding.
+        for rid, reader in lp.scheduler.readers.items():
+            assert reader.delivered == len(lp.tokens[rid]), rid
+
+    loop = run_burst(make_loop(TF_ASYNC, {**FAST, "policy": policy}), BURST, readers_match_clients)
     s = loop.scheduler.tf_stats
     assert loop.core.batch_queue_size == 2 and loop.scheduler.scheduler_config.async_scheduling
     assert s.pauses_release > 0
