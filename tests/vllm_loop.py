@@ -419,7 +419,7 @@ def burst_throughput(requests: int = 64, max_tokens: int = 400, num_blocks: int 
 
         def on_step(lp):
             s = lp.scheduler
-            held = sum((r.num_tokens + BLOCK) // BLOCK for r in getattr(s, "held", {}).values())
+            held = sum(s._blocks(r.num_tokens) for r in getattr(s, "held", {}).values())
             seen.append((lp.clock.t, len(s.running), held))
 
         run_burst(loop, burst, on_step)
