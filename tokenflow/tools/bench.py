@@ -273,9 +273,9 @@ def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
 def run_order(names, seed: int) -> list[str]:
     """The schedulers (or the app's policies) in the order they run: rotated
     by the seed, so that over seeds 0, 1, 2 each goes first once. On this
-    CPU the first to run gets the worst P99 TTFT whatever it is (in eight
-    light-load runs out of eight; with the order reversed TokenFlow's went
-    from 0.73x fcfs's to 1.78x), and a machine drifts over a bench."""
+    CPU the first to run had the worst P99 TTFT in 15 of 20 light-load
+    runs, whatever it was (with the order reversed TokenFlow's went from
+    0.73x fcfs's to 1.78x), and a machine drifts over a bench."""
     names = list(names)
     k = seed % len(names)
     return names[k:] + names[:k]
