@@ -393,10 +393,14 @@ Limits:
   continuation's own tokens as output (the sent ones are prompt there).
 - A stream is continued from the ids it had sent: tokens the lost engine
   generated but the client never got are generated again (greedy: the same
-  ones). So are sent ids whose text vLLM had held back (a token that ends
-  inside a UTF-8 character): continued right after one, vLLM's detokenizer
-  began its first chunk with the whole prompt's text (found by the live
-  test).
+  ones). So are sent ids whose text vLLM had held back (the last ids, when
+  they end inside a UTF-8 character): primed with a prompt that ends so,
+  vLLM's detokenizer begins its first chunk with the whole prompt's text.
+  The engine replica that takes the continuation cuts such ids off its
+  prompt with the engine's own tokenizer; the ingress reads the cut from
+  the prompt ids the continuation reports. (Found by the live tests twice:
+  first after an id sent with empty text, then after a chunk of two ids
+  whose second was held back, which a chunk's text cannot show.)
 - A client that asked for `return_token_ids` gets the continuation's ids,
   and no second `prompt_token_ids`.
 - Chat streams now carry a chunk for every token, one whose text is still

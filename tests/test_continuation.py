@@ -23,8 +23,9 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 from tests.test_failover import scripted
-from tokenflow.core.config import CARRIED_KEY, WAITED_KEY, parse_carried
-from tokenflow.serve.continuation import Ledger, continuable
+from tests.engines import ensure_model
+from tokenflow.core.config import CARRIED_KEY, SENT_KEY, WAITED_KEY, parse_carried
+from tokenflow.serve.continuation import Ledger, continuable, end_on_whole_character
 from tokenflow.serve.failover import LOST_MESSAGE, relay
 
 PROMPT = [1, 5, 9, 12]
@@ -127,30 +128,71 @@ def test_a_continuation_asks_for_the_rest_with_the_readers_buffer():
     assert Ledger(completions_body(), "completions", 40).continuation() is None
 
 
-def test_ids_whose_text_was_held_back_are_generated_again():
-    """vLLM sends a token that ends inside a UTF-8 character with empty text
-    (its bytes go out with the next token). A continuation must not start
-    after it: vLLM's detokenizer would then begin with the whole prompt's
-    text (seen in the live test). It restarts after the last id whose text
-    went out; a client that sees ids does not get the repeated ones twice."""
+def test_ids_the_replica_cut_off_are_generated_again_and_not_shown_twice():
+    """The ledger asks with every id it sent and says how many are the
+    answer's; the replica may cut the last of them (ids whose text vLLM held
+    back: `end_on_whole_character`). The continuation's first chunk reports
+    the prompt it ran, so the ledger sees the cut: those ids come again,
+    their text goes out now, and a client that sees ids gets them once."""
     ledger = Ledger(completions_body(return_token_ids=True), "completions", 40)
     ledger._note(completion_chunk("cmpl-1", " the", [7], prompt=PROMPT))
-    ledger._note(completion_chunk("cmpl-1", "", [8]))  # held back
-    ledger._note(completion_chunk("cmpl-1", "", [9]))  # still held back
+    # One chunk, two ids: vLLM sent the text of 8 and held back that of 9.
+    ledger._note(completion_chunk("cmpl-1", " sea", [8, 9]))
     req = ledger.continuation()
-    assert req.prompt == PROMPT + [7] and req.max_tokens == 9
-    evs = events([ledger._rewrite(x, base=1) for x in [
-        completion_chunk("cmpl-2", "", [8]), completion_chunk("cmpl-2", "\u00e9", [9]),
-        completion_chunk("cmpl-2", " x", [4]), usage_chunk("cmpl-2", 5, 3)]])
-    assert [ev["choices"][0]["token_ids"] for ev in evs[:3]] == [[], [], [4]]  # 8 and 9 were shown already
+    assert req.prompt == PROMPT + [7, 8, 9] and req.max_tokens == 7 and req.vllm_xargs[SENT_KEY] == 3
+    evs = events([ledger._rewrite(x) for x in [
+        completion_chunk("cmpl-2", "", [9], prompt=PROMPT + [7, 8]),  # the replica cut 9
+        completion_chunk("cmpl-2", "\u00e9", [3]),
+        completion_chunk("cmpl-2", " x", [4]), usage_chunk("cmpl-2", 6, 3)]])
+    assert [ev["choices"][0]["token_ids"] for ev in evs[:3]] == [[], [3], [4]]  # 9 was shown already
     assert "".join(ev["choices"][0]["text"] for ev in evs[:3]) == "\u00e9 x"
-    assert evs[3]["usage"]["completion_tokens"] == 4
-    assert ledger.sent_ids == [7, 8, 9, 4]
-    # Text that ends in U+FFFD counts as held back too.
+    assert evs[3]["usage"]["completion_tokens"] == 5
+    assert ledger.sent_ids == [7, 8, 9, 3, 4]
+    # Nothing cut: nothing repeated.
     other = Ledger(completions_body(), "completions", 40)
     other._note(completion_chunk("cmpl-3", "a", [1], prompt=PROMPT))
-    other._note(completion_chunk("cmpl-3", "b\ufffd", [2]))
-    assert other.continuation().prompt == PROMPT + [1]
+    other.continuation()
+    (ev,) = events([other._rewrite(completion_chunk("cmpl-4", "b", [2], prompt=PROMPT + [1]))])
+    assert ev["choices"][0]["text"] == "b" and other.sent_ids == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_model())
+
+
+def test_the_replica_cuts_a_continuation_back_to_a_whole_character(tokenizer):
+    """What the cut prevents, on the detokenizer vLLM uses (tokenizers'
+    DecodeStream primed with the prompt): primed with a prompt that ends
+    inside a character, its first text is the whole prompt's (seen live,
+    when a replica stopped under a chat stream); cut back, only the answer's."""
+    from tokenizers.decoders import DecodeStream
+
+    chat = tokenizer.encode("<|user|>\nhi there\n<|assistant|>\n")
+    lead, last = tokenizer.encode("\u00e9")  # not in the tiny model's corpus: two byte tokens
+    answer = tokenizer.encode(" the river")
+    sent = answer + [lead]
+    req = CompletionRequest(model="m", prompt=chat + sent, max_tokens=5, min_tokens=2,
+                            vllm_xargs={SENT_KEY: len(sent)})
+    assert end_on_whole_character(req, tokenizer.decode) == 1
+    assert req.prompt == chat + answer and req.max_tokens == 6 and req.min_tokens == 3
+
+    def first_texts(prompt, ids):
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        return "".join(t or "" for t in (stream.step(tokenizer._tokenizer, i) for i in ids))
+    assert first_texts(req.prompt, [lead, last]) == "\u00e9"
+    assert "hi there" in first_texts(chat + sent, [last])  # uncut: the prompt's text comes out
+
+    # A prompt that ends on a whole character, one that is no continuation,
+    # and the client's own prompt (not the answer's ids) are left alone.
+    whole = CompletionRequest(model="m", prompt=chat + answer + [lead, last], max_tokens=5,
+                              vllm_xargs={SENT_KEY: len(answer) + 2})
+    plain = CompletionRequest(model="m", prompt=chat + sent, max_tokens=5)
+    own = CompletionRequest(model="m", prompt=chat + [lead, lead], max_tokens=5, vllm_xargs={SENT_KEY: 1})
+    assert [end_on_whole_character(r, tokenizer.decode) for r in (whole, plain, own)] == [0, 0, 1]
+    assert own.prompt == chat + [lead] and plain.prompt == chat + sent
 
 
 def test_each_splice_reports_the_gap_and_the_readers_wait():
@@ -163,8 +205,8 @@ def test_each_splice_reports_the_gap_and_the_readers_wait():
     now[0] = 0.7
     ledger.continuation()  # the first continuation was lost too: the gap runs on
     now[0] = 1.0
-    ledger._rewrite(completion_chunk("cmpl-2", "c", [3]), base=2)
-    ledger._rewrite(completion_chunk("cmpl-2", "d", [4]), base=2)
+    ledger._rewrite(completion_chunk("cmpl-2", "c", [3]))
+    ledger._rewrite(completion_chunk("cmpl-2", "d", [4]))
     assert heard == [(pytest.approx(1.0), pytest.approx(0.8))]
 
 
@@ -180,7 +222,7 @@ def test_a_completions_continuation_is_spliced_into_the_same_stream():
     ledger = Ledger(completions_body(), "completions", 40)
     ledger._note(completion_chunk("cmpl-1", " the", [7, 8], prompt=PROMPT))
     ledger.continuation()
-    spliced = [ledger._rewrite(x, base=2) for x in [
+    spliced = [ledger._rewrite(x) for x in [
         completion_chunk("cmpl-2", " sea", [5], prompt=PROMPT + [7, 8], created=200),
         [completion_chunk("cmpl-2", " and", [6], finish="length", created=200),
          usage_chunk("cmpl-2", 6, 2, created=200), "data: [DONE]\n\n"]]]
@@ -204,7 +246,7 @@ def test_a_chat_continuation_becomes_chat_chunks():
     assert role["prompt_token_ids"] is None and first["choices"][0]["token_ids"] is None
     req = ledger.continuation()
     assert req.prompt == PROMPT + [3] and req.max_tokens == 4 and req.temperature == 0
-    evs = events([ledger._rewrite(x, base=1) for x in [
+    evs = events([ledger._rewrite(x) for x in [
         completion_chunk("cmpl-9", "lo", [4], prompt=PROMPT + [3]),
         completion_chunk("cmpl-9", "", [0], finish="stop"),
         usage_chunk("cmpl-9", 5, 2)]])

@@ -149,3 +149,35 @@ def test_engines_share_the_node_host_pool(client, serve_app):
         tiers.append(sched["host_pool_blocks"] * bytes_per_block)
     assert all(t > 0 for t in tiers)
     assert tiers[0] == tiers[1] and sum(tiers) <= node_pool
+
+
+def test_a_continuation_runs_from_its_last_whole_character(client, serve_app):
+    """A continued stream's request (continuation.py: its vllm_xargs say how
+    many of the prompt's last ids are the answer's) whose prompt ends inside
+    a character: the engine replica cuts those ids off, to be generated
+    again, and the prompt ids it reports show the cut. Without the cut
+    vLLM's detokenizer starts the text with the whole prompt's."""
+    from transformers import AutoTokenizer
+
+    from tests.engines import ensure_model
+    from tokenflow.core.config import SENT_KEY
+
+    tok = AutoTokenizer.from_pretrained(ensure_model())
+    chat = tok.encode("<|user|>\nthe quick river\n<|assistant|>\n")
+    answer = tok.encode(" 416") + tok.encode("\u00e9")[:1]  # ends on the first byte of a character
+
+    def run(xargs):
+        stream = client.completions.create(model=serve_app["model"], prompt=chat + answer, max_tokens=8,
+                                           temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True, "vllm_xargs": xargs})
+        choices = [c.choices[0] for c in stream if c.choices]
+        ids = [t for ch in choices for t in ch.model_extra["token_ids"] or []]
+        return choices[0].model_extra["prompt_token_ids"], "".join(ch.text for ch in choices), ids
+
+    prompt, text, ids = run({SENT_KEY: len(answer)})
+    assert prompt == chat + answer[:-1] and len(ids) == 9, (prompt, ids)
+    assert "quick river" not in text, text
+    prompt, text, _ = run({})  # not a continuation: left as it is
+    assert prompt == chat + answer
+    assert "quick river" in text, ("vLLM no longer starts such a prompt's text with the prompt; "
+                                   "the cut (end_on_whole_character) may be dropped", text)

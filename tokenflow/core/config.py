@@ -68,9 +68,12 @@ RATE_KEY = "consumption_rate"
 # `vllm_xargs` keys of a stream continued from a lost engine
 # (tokenflow/serve/continuation.py): its reader's unread tokens when it was
 # handed over, and the seconds since the client sent it. The scheduler ranks
-# it by when that buffer runs dry, like a paused request.
+# it by when that buffer runs dry, like a paused request. SENT_KEY: how many
+# of the prompt's last ids are the answer's, sent already (the replica may
+# cut some of them off to be generated again).
 CARRIED_KEY = "tokenflow_carried_tokens"
 WAITED_KEY = "tokenflow_waited_s"
+SENT_KEY = "tokenflow_sent_tokens"
 
 
 def parse_carried(xargs: dict | None) -> tuple[float, float] | None:

@@ -12,6 +12,16 @@ policy ranks it by how soon its reader runs dry. `splice()` rewrites that
 request's chunks into the client's stream: the same id and created time,
 the chat chunk shape for a chat stream, usage counting the whole answer.
 
+The last ids sent may end inside a UTF-8 character: vLLM held their text
+back (it goes out with the token that completes the character). vLLM's
+detokenizer, primed with a prompt that ends so, starts its first chunk with
+the whole prompt's text. So the engine replica that takes a continuation
+cuts such ids off its prompt (`end_on_whole_character`); they are generated
+again, their text goes out then, and the ingress learns how many from the
+prompt ids the continuation reports. Only the replica can tell: its
+tokenizer knows the ids' bytes, and a chunk's text does not show where it
+stopped (a chunk can carry several ids, the last one held back).
+
 What is not continued (such a stream ends with the lost-engine error event,
 as before): n > 1, logprobs, echo, stop strings (vLLM holds back text that
 may start one, so the text sent can lag the ids sent), tools, structured
@@ -27,7 +37,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import CARRIED_KEY, RATE_KEY, WAITED_KEY
+from tokenflow.core.config import CARRIED_KEY, RATE_KEY, SENT_KEY, WAITED_KEY
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
 # escaped, so text cannot match; `"token_ids":[` is not inside the other.
@@ -87,12 +97,8 @@ class Ledger:
         self.arrival = clock()
         self._ids: list[int] = []  # sent, parsed
         self._raw: list[str] = []  # sent, as the chunks' text ("5,81,7"), not parsed yet
-        self._sent = 0  # ids sent
-        # Ids sent up to the last chunk that carried text. vLLM holds back
-        # the text of a token that ends inside a UTF-8 character (the chunk's
-        # text is empty); continued from there, its detokenizer would start
-        # with the whole prompt's text. Such ids are generated again instead.
-        self._committed = 0
+        self._asked = 0  # prompt ids the open continuation was asked with
+        self._base = 0  # ids of the answer before the open continuation's own
         self._repeat = 0  # ids the continuation generates again (hidden from a client that sees ids)
         self._times: list[tuple[float, int]] = []  # (when, how many) of each chunk with tokens
         self.on_splice = on_splice
@@ -140,8 +146,6 @@ class Ledger:
             start = j + 1
         if n:
             self._went_out(n)
-            if not _held_back(item):
-                self._committed = self._sent
         if not parts or self.show_ids:
             return item
         parts.append(item[start:])
@@ -151,7 +155,6 @@ class Ledger:
         """n tokens went out now; the first after a loss closes its gap."""
         now = self.clock()
         self._times.append((now, n))
-        self._sent += n
         if self._gap_from is not None:
             last, held = self._gap_from
             self._gap_from = None
@@ -169,9 +172,6 @@ class Ledger:
             return None
         body = self.body
         sent = self.sent_ids
-        self._repeat += len(sent) - self._committed
-        del sent[self._committed:]
-        self._sent = len(sent)
         limit = (getattr(body, "max_completion_tokens", None) or body.max_tokens) if self.chat else body.max_tokens
         left = None if limit is None else limit - len(sent)
         if left is not None and left <= 0:
@@ -185,24 +185,25 @@ class Ledger:
         xargs[RATE_KEY] = self.rate
         xargs[CARRIED_KEY] = round(reader.buffer(now), 3)
         xargs[WAITED_KEY] = round(now - self.arrival, 3)
+        xargs[SENT_KEY] = len(sent)
         fields = {k: getattr(body, k) for k in SAMPLING
                   if k in body.model_fields_set and k in CompletionRequest.model_fields}
         if getattr(body, "min_tokens", 0):
             fields["min_tokens"] = max(0, body.min_tokens - len(sent))
         self.continued += 1
+        self._asked, self._base = len(self.prompt_ids) + len(sent), len(sent)
         return CompletionRequest(model=body.model, prompt=self.prompt_ids + sent, max_tokens=left,
                                  stream=True, stream_options=body.stream_options, return_token_ids=True,
                                  vllm_xargs=xargs, **fields)
 
     async def splice(self, gen: AsyncIterator) -> AsyncIterator:
         """Yield a continuation's items as parts of the client's stream."""
-        base = len(self.sent_ids)
         async for item in gen:
-            yield self._rewrite(item, base)
+            yield self._rewrite(item)
 
-    def _rewrite(self, item: Any, base: int) -> Any:
+    def _rewrite(self, item: Any) -> Any:
         if isinstance(item, list):
-            return [self._rewrite(x, base) for x in item]
+            return [self._rewrite(x) for x in item]
         if not isinstance(item, str) or not item.startswith("data: {"):
             return item  # [DONE], or an object the ingress handles itself
         ev = json.loads(item[6:])
@@ -211,23 +212,33 @@ class Ledger:
         n = 0
         choices = []
         for ch in ev.get("choices") or ():
+            if ch.get("prompt_token_ids"):  # the first chunk
+                self._cut(self._asked - len(ch["prompt_token_ids"]))
             ids = ch.get("token_ids") or []
             self.sent_ids.extend(ids)
             n += len(ids)
             shown, self._repeat = ids[self._repeat:], max(0, self._repeat - len(ids))
             choices.append(self._as_chat(ch, shown) if self.chat else
                            {**ch, "prompt_token_ids": None, "token_ids": shown if self.show_ids else None})
-            if ids and ch.get("text") and not ch["text"].endswith("\ufffd"):
-                self._committed = len(self.sent_ids)
         if n:
             self._went_out(n)
         out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else ev.get("object"),
                "created": self.created if self.created is not None else ev.get("created"),
                "model": ev.get("model"), "choices": choices}
         if ev.get("usage"):
-            prompt, done = len(self.prompt_ids), base + ev["usage"]["completion_tokens"]
+            prompt, done = len(self.prompt_ids), self._base + ev["usage"]["completion_tokens"]
             out["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
         return f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
+
+    def _cut(self, n: int) -> None:
+        """The replica cut the last n sent ids off the continuation's prompt
+        (`end_on_whole_character`): it generates them again, their text
+        was not sent, and a client that sees ids has seen them."""
+        n = max(0, min(n, self._base))
+        if n:
+            del self.sent_ids[len(self.sent_ids) - n:]
+            self._base -= n
+            self._repeat += n
 
     def _as_chat(self, ch: dict, ids: list[int]) -> dict:
         """A completions choice as the chat chunk's choice vLLM would send."""
@@ -238,11 +249,42 @@ class Ledger:
         return out
 
 
-def _held_back(chunk: str) -> bool:
-    """Whether an SSE chunk with ids may end inside a character: no text
-    (completions: empty text; chat: an empty delta), or text that ends in
-    U+FFFD (bytes the detokenizer could not complete yet)."""
-    return '"text":""' in chunk or '"delta":{}' in chunk or '\ufffd"' in chunk or '\\ufffd"' in chunk
+# A character is at most 4 bytes and a token at least 1: the last 8 ids
+# hold the whole last character, wherever the window starts.
+_TAIL = 8
+
+
+def unfinished_ids(prompt: list[int], sent: int, decode: Callable[[list[int]], str]) -> int:
+    """How many of the prompt's last `sent` ids (the answer's, sent already)
+    leave it ending inside a character: decoded, the text ends in U+FFFD,
+    which is also when vLLM's detokenizer holds a token's text back."""
+    n = 0
+    while n < sent:
+        end = len(prompt) - n
+        if not decode(prompt[max(0, end - _TAIL):end]).endswith("\ufffd"):
+            break
+        n += 1
+    return n
+
+
+def end_on_whole_character(request: Any, decode: Callable[[list[int]], str]) -> int:
+    """On the replica: cut a continuation's prompt back to its last whole
+    character (module doc), to generate the cut ids again; how many."""
+    try:
+        sent = int((request.vllm_xargs or {}).get(SENT_KEY, 0))
+    except (TypeError, ValueError):
+        return 0
+    prompt = request.prompt
+    if sent <= 0 or not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        return 0
+    n = unfinished_ids(prompt, min(sent, len(prompt)), decode)
+    if n:
+        request.prompt = prompt[:-n]
+        if request.max_tokens is not None:
+            request.max_tokens += n
+        if getattr(request, "min_tokens", 0):
+            request.min_tokens += n
+    return n
 
 
 def _rate_of(body: Any, default: float) -> float:

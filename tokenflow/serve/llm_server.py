@@ -29,6 +29,7 @@ from ray.serve.llm.openai_api_models import ErrorResponse
 
 from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
+from tokenflow.serve.continuation import end_on_whole_character
 from tokenflow.serve.failover import CORE_DIED, STOPPING, EngineLost, bounce_if_engine_dead
 from tokenflow.serve.kv_pool import KVPoolSettings
 from tokenflow.serve.ray_private import ErrorInfo, replica_stopping
@@ -119,6 +120,11 @@ class TokenFlowLLMServer(LLMServer):
             return None
         return SchedulerState.from_wire(await core.call_utility_async(UTILITY))
 
+    def _tokenizer(self):
+        """The engine's own tokenizer (the one its detokenizer uses); None
+        when the engine runs without one."""
+        return getattr(getattr(self.engine, "_engine_client", None), "tokenizer", None)
+
     def _engine_dead(self) -> bool:
         """Whether this replica's vLLM EngineCore has died (AsyncLLM.errored):
         the replica lives on until Serve's health check replaces it, but
@@ -156,6 +162,8 @@ class TokenFlowLLMServer(LLMServer):
         self._refuse_if_engine_dead()
         if (error := apply_consumption_rate(request, self._tokenflow_cfg)) is not None:
             return _yield_once(error)
+        if (tokenizer := self._tokenizer()) is not None:  # a continued stream: whole characters
+            end_on_whole_character(request, tokenizer.decode)
         return self._track(request, await super().completions(request, raw_request_info), arrival)
 
     async def __del__(self):
