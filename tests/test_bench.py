@@ -23,13 +23,15 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
         [sys.executable, "-m", "tokenflow.tools.cli", "bench", "--out", str(out), "--requests", "12",
          "--output-tokens", "24", "--prompt-tokens", "16", "--kv-bytes", str(1 << 20),
          "--max-num-seqs", "8", "--max-model-len", "256", "--model", ensure_model(),
-         "--tokenflow", '{"dt": 0.02}', "--workload", "gamma", "--load", "0.3"],
+         "--tokenflow", '{"dt": 0.02}', "--workload", "gamma", "--load", "0.3", "--rounds", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["results"]) == {"fcfs", "andes", "tokenflow"}
     assert summary["workload"]["order"] == ["fcfs", "andes", "tokenflow"]  # seed 0
+    # Two rounds, the order rotated between them, pooled.
+    assert summary["workload"]["round_orders"] == [["fcfs", "andes", "tokenflow"], ["andes", "tokenflow", "fcfs"]]
     assert "engine-side" in summary["workload"]["timing"]
     # No GPU here: every scheduler ran synchronously, and the summary says so.
     assert summary["workload"]["engine"]["scheduling"] == "sync"
@@ -39,18 +41,23 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
     assert summary["workload"]["poisson_rate"] == pytest.approx(0.3 * cal["decode_tps"] / 24)
     for name, res in summary["results"].items():
         assert KEYS <= set(res), name
-        assert res["completed"] == 12 and res["failed"] == 0, name
+        assert res["completed"] == 24 and res["failed"] == 0, name
+        assert [r["completed"] for r in res["rounds"]] == [12, 12], name
+        assert res["wall_s"] == pytest.approx(sum(r["wall_s"] for r in res["rounds"]))
+        tokens = [r["throughput_tps"] * r["wall_s"] for r in res["rounds"]]
+        assert res["throughput_tps"] == pytest.approx(sum(tokens) / res["wall_s"])
         assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"]
         assert res["effective_throughput_tps"] <= res["throughput_tps"] + 1e-9
         assert 0 < res["qoe_mean"] <= 1
-        lines = (out / f"requests-{name}.jsonl").read_text().splitlines()
-        assert len(lines) == 12 and all(json.loads(x)["tokens"] == 24 for x in lines)
+        recs = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
+        assert len(recs) == 24 and all(x["tokens"] == 24 for x in recs)
+        assert sorted(x["round"] for x in recs) == [0] * 12 + [1] * 12
     for png in ("ttft_cdf.png", "throughput.png", "token_timelines.png", "buffer_occupancy.png"):
         assert (out / png).stat().st_size > 1000
 
 
 def test_bench_rejects_bad_arguments():
-    for args in (["--workload", "zigzag"], ["--rates", "-1"], ["--engine-args", "{not json"]):
+    for args in (["--workload", "zigzag"], ["--rates", "-1"], ["--engine-args", "{not json"], ["--rounds", "0"]):
         r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench", *args], capture_output=True, text=True)
         assert r.returncode == 2, (args, r.stderr)
         assert "error" in r.stderr

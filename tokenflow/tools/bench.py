@@ -251,7 +251,12 @@ def ratios(results: dict, keys: dict = RATIO_KEYS) -> dict | None:
     return {name: t[k] / f[k] if f.get(k) and t.get(k) is not None else None for name, k in keys.items()}
 
 
-def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
+def summarize(rounds: list[tuple[list[ReaderBuffer], float]], expected: int) -> dict:
+    """One scheduler's figures over its rounds, each (readers, wall):
+    percentiles over every request of every round, throughputs as tokens
+    over the rounds' summed walls."""
+    readers = [r for rs, _ in rounds for r in rs]
+    wall = sum(w for _, w in rounds)
     done = [r for r in readers if r.finished and r.delivered == expected]
     ttfts = [r.ttft for r in readers if r.ttft is not None]
     tbts = [x for r in readers for x in r.tbts()]
@@ -262,12 +267,20 @@ def summarize(readers: list[ReaderBuffer], wall: float, expected: int) -> dict:
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "tbt_p99_s": percentile(tbts, 0.99),
-        "stall_s_mean": statistics.fmean(r.stall_time(wall) for r in readers),
+        "stall_s_mean": statistics.fmean(r.stall_time(w) for rs, w in rounds for r in rs),
         "throughput_tps": tokens / wall,
         "effective_throughput_tps": sum(r.effective_tokens() for r in readers) / wall,
         "qoe_mean": statistics.fmean(r.qoe() for r in readers),
         "wall_s": wall,
     }
+
+
+def combine_stats(per_round: list[dict | None]) -> dict | None:
+    """A scheduler's counters over its rounds (an engine each): totals,
+    and the largest of the `max_` fields."""
+    if not per_round or per_round[0] is None:
+        return None
+    return {k: (max if k.startswith("max_") else sum)(st[k] for st in per_round) for k in per_round[0]}
 
 
 def run_order(names, seed: int) -> list[str]:
@@ -282,9 +295,18 @@ def run_order(names, seed: int) -> list[str]:
 
 
 def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True,
-              load: float | None = None) -> dict:
+              load: float | None = None, rounds: int = 1) -> dict:
     """Each scheduler in turn on the same workload. With `load`, the
-    workload is first sized to that share of the measured capacity."""
+    workload is first sized to that share of the measured capacity.
+
+    With `rounds` > 1 the schedulers take turns that many times, each round
+    a new workload (seed + round) that every scheduler runs on a fresh
+    engine, the order rotated each round, and each scheduler's figures
+    pooled over its rounds: a VM that drifts over minutes then slows every
+    scheduler alike, and a P99 is taken over more first tokens. The plots
+    show the first round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     calibration = None
@@ -294,24 +316,37 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
         calibration["load"] = load
         print(json.dumps({"calibration": calibration, "requests": wl.requests,
                           "arrival_rate": wl.poisson_rate if wl.kind != "burst" else None}), flush=True)
-    results, all_records = {}, {}
     for name in schedulers:
         if name not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
-    order = run_order(schedulers, wl.seed)
-    for name in order:
-        readers, wall, records, stats = run_one(name, wl, eng)
-        results[name] = summarize(readers, wall, wl.output_tokens)
-        results[name]["scheduler_stats"] = stats
-        all_records[name] = records
-        with open(out / f"requests-{name}.jsonl", "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-        print(json.dumps({"scheduler": name, **results[name]}), flush=True)
+    played = {name: [] for name in schedulers}  # (readers, wall) per round
+    stats = {name: [] for name in schedulers}
+    first_records, orders = {}, []
+    for k in range(rounds):
+        order = run_order(schedulers, wl.seed + k)
+        orders.append(order)
+        for name in order:
+            readers, wall, records, st = run_one(name, replace(wl, seed=wl.seed + k), eng)
+            played[name].append((readers, wall))
+            stats[name].append(st)
+            with open(out / f"requests-{name}.jsonl", "w" if k == 0 else "a") as f:
+                for rec in records:
+                    f.write(json.dumps({**rec, "round": k}) + "\n")
+            if k == 0:
+                first_records[name] = records
+            print(json.dumps({"scheduler": name, "round": k, **summarize([(readers, wall)], wl.output_tokens)}),
+                  flush=True)
+    results = {}
+    for name in schedulers:
+        results[name] = summarize(played[name], wl.output_tokens)
+        results[name]["scheduler_stats"] = combine_stats(stats[name])
+        if rounds > 1:
+            results[name]["rounds"] = [summarize([p], wl.output_tokens) for p in played[name]]
     summary = {
         "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
                      "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)",
-                     "calibration": calibration, "order": order},
+                     "calibration": calibration, "order": orders[0], "rounds": rounds,
+                     "round_orders": orders},
         "results": results,
     }
     if (r := ratios(results)) is not None:
@@ -320,5 +355,5 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     if plots:
         from tokenflow.tools.bench_plots import write_plots
 
-        write_plots(out, all_records, wl)
+        write_plots(out, first_records, wl)
     return summary

@@ -46,7 +46,8 @@ def _cmd_bench(args) -> int:
                          block_size=args.block_size or None, offload_bytes=args.offload_bytes,
                          extra=json.loads(args.engine_args),
                          tokenflow={"dt": 0.1, **json.loads(args.tokenflow)}, scheduling=args.scheduling)
-    summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots, load=args.load)
+    summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots, load=args.load,
+                        rounds=args.rounds)
     print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
     print(f"wrote {args.out}/summary.json")
     return 0
@@ -206,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output-tokens", type=_positive_int, default=1024)
     c.add_argument("--seed", type=int, default=0,
                    help="the workload's seed; it also rotates the order the schedulers run in (seeds 0, 1, 2: each first once)")
+    c.add_argument("--rounds", type=_positive_int, default=1,
+                   help="the schedulers take turns this many times, a new workload (seed + round) each round and "
+                        "the order rotated; figures pooled over the rounds (a drifting machine slows all alike)")
     c.add_argument("--model", default="models/tiny-llama")
     c.add_argument("--kv-bytes", type=int, default=32 << 20, help="KV pool bytes (0: vLLM's default)")
     c.add_argument("--offload-bytes", type=int, default=256 << 20,
