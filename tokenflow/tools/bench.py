@@ -158,6 +158,12 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
     if got != want:  # e.g. async asked for on vLLM's CPU build, which turns it off
         raise RuntimeError(f"{scheduler}: vLLM runs {got} scheduling on this platform, not {want}")
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    # What is alive now stays for the run: out of the collector's way, as a
+    # vLLM server's EngineCore puts its start-up heap. Otherwise a full
+    # collection over it (and over what earlier engines of this process
+    # left) stops the step loop for 0.3-0.5 s at random, in any scheduler's run.
+    gc.collect()
+    gc.freeze()
 
     arrivals, rates, prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
     readers: dict[str, ReaderBuffer] = {}
@@ -187,6 +193,7 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
                 finished.add(o.request_id)
     wall = time.monotonic() - t0
     stats = scheduler_stats(engine)
+    gc.unfreeze()
     del llm, engine
     gc.collect()
     records = [
