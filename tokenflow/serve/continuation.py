@@ -97,8 +97,7 @@ class Ledger:
         self.arrival = clock()
         self._ids: list[int] = []  # sent, parsed
         self._raw: list[str] = []  # sent, as the chunks' text ("5,81,7"), not parsed yet
-        self._asked = 0  # prompt ids the open continuation was asked with
-        self._base = 0  # ids of the answer before the open continuation's own
+        self._base = 0  # ids of the answer before the open continuation's own (its prompt's tail)
         self._repeat = 0  # ids the continuation generates again (hidden from a client that sees ids)
         self._times: list[tuple[float, int]] = []  # (when, how many) of each chunk with tokens
         self.on_splice = on_splice
@@ -191,7 +190,7 @@ class Ledger:
         if getattr(body, "min_tokens", 0):
             fields["min_tokens"] = max(0, body.min_tokens - len(sent))
         self.continued += 1
-        self._asked, self._base = len(self.prompt_ids) + len(sent), len(sent)
+        self._base = len(sent)
         return CompletionRequest(model=body.model, prompt=self.prompt_ids + sent, max_tokens=left,
                                  stream=True, stream_options=body.stream_options, return_token_ids=True,
                                  vllm_xargs=xargs, **fields)
@@ -212,8 +211,8 @@ class Ledger:
         n = 0
         choices = []
         for ch in ev.get("choices") or ():
-            if ch.get("prompt_token_ids"):  # the first chunk
-                self._cut(self._asked - len(ch["prompt_token_ids"]))
+            if ch.get("prompt_token_ids"):  # the first chunk: the prompt the replica ran
+                self._cut(len(self.prompt_ids) + self._base - len(ch["prompt_token_ids"]))
             ids = ch.get("token_ids") or []
             self.sent_ids.extend(ids)
             n += len(ids)

@@ -327,6 +327,7 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
         if name not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
     played = {name: [] for name in schedulers}  # (readers, wall) per round
+    figures = {name: [] for name in schedulers}  # each round's summary
     stats = {name: [] for name in schedulers}
     first_records, orders = {}, []
     for k in range(rounds):
@@ -335,20 +336,20 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
         for name in order:
             readers, wall, records, st = run_one(name, replace(wl, seed=wl.seed + k), eng)
             played[name].append((readers, wall))
+            figures[name].append(summarize([(readers, wall)], wl.output_tokens))
             stats[name].append(st)
             with open(out / f"requests-{name}.jsonl", "w" if k == 0 else "a") as f:
                 for rec in records:
                     f.write(json.dumps({**rec, "round": k}) + "\n")
             if k == 0:
                 first_records[name] = records
-            print(json.dumps({"scheduler": name, "round": k, **summarize([(readers, wall)], wl.output_tokens)}),
-                  flush=True)
+            print(json.dumps({"scheduler": name, "round": k, **figures[name][-1]}), flush=True)
     results = {}
     for name in schedulers:
         results[name] = summarize(played[name], wl.output_tokens)
         results[name]["scheduler_stats"] = combine_stats(stats[name])
         if rounds > 1:
-            results[name]["rounds"] = [summarize([p], wl.output_tokens) for p in played[name]]
+            results[name]["rounds"] = figures[name]
     summary = {
         "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
                      "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)",
