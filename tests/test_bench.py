@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -54,6 +55,56 @@ def test_bench_writes_summary_for_all_schedulers(tmp_path):
         assert sorted(x["round"] for x in recs) == [0] * 12 + [1] * 12
     for png in ("ttft_cdf.png", "throughput.png", "token_timelines.png", "buffer_occupancy.png"):
         assert (out / png).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_lockstep_times_each_engine_on_its_own_work(tmp_path):
+    """`tokenflow bench --lockstep`: the schedulers' engines take turns of a
+    step each in one process, each timed on the clock of its own work, host
+    KV tier included (each engine swaps its own connector in)."""
+    out = tmp_path / "lockstep"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenflow.tools.cli", "bench", "--out", str(out), "--requests", "10",
+         "--output-tokens", "32", "--prompt-tokens", "16", "--kv-bytes", str(1 << 20), "--offload-bytes",
+         str(8 << 20), "--max-num-seqs", "8", "--max-model-len", "256", "--model", ensure_model(),
+         "--tokenflow", '{"dt": 0.02}', "--workload", "poisson", "--poisson-rate", "20",
+         "--schedulers", "fcfs", "tokenflow", "--lockstep", "--no-plots"],
+        capture_output=True, text=True, timeout=600,
+    )
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workload"]["lockstep"] and "lockstep" in summary["workload"]["timing"]
+    last_arrival = max(json.loads(x)["arrival_s"] for x in (out / "requests-fcfs.jsonl").read_text().splitlines())
+    walls = []
+    for name, res in summary["results"].items():
+        assert res["completed"] == 10 and res["failed"] == 0, name
+        recs = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
+        assert all(x["tokens"] == 32 and x["arrivals_s"][0] >= x["arrival_s"] for x in recs), name
+        # Each clock runs through the arrivals and the work after them ...
+        assert res["wall_s"] > last_arrival, name
+        # ... and a first token takes a step or two of this engine's work,
+        # whatever the other engine does meanwhile.
+        assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] < 0.5, name
+        walls.append(res["wall_s"])
+    assert sum(walls) < elapsed  # the engines shared the run's time
+
+
+def test_work_clock_counts_only_the_work_and_jumps_over_waits():
+    from tokenflow.tools.bench_drive import WorkClock
+
+    clock, inside = WorkClock(), []
+    clock.wait_until(1.0)
+    assert clock.now() == 1.0
+    clock.work(lambda: (time.sleep(0.05), inside.append(clock.now())))
+    assert 1.04 < inside[0] < clock.now() < 1.5  # it ran with the wall during the work ...
+    time.sleep(0.05)
+    stopped = clock.now()
+    time.sleep(0.05)
+    assert clock.now() == stopped  # ... and stands still between turns
+    clock.wait_until(0.5)  # never backwards
+    assert clock.now() == stopped
 
 
 def test_bench_rejects_bad_arguments():

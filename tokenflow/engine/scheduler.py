@@ -98,6 +98,14 @@ class TokenFlowMixin:
         logger.info("TokenFlow scheduler: %s%s", self.tf_config,
                     f"; tracing decisions to {self._trace.path}" if self._trace else "")
 
+    def set_clock(self, clock) -> None:
+        """Read time from `clock` from now on (the lockstep bench gives each
+        engine its own), forgetting the times read off the old one."""
+        self.clock = clock
+        self._scheduled_at.clear()
+        self._last_output_at = None
+        self._next_decision = 0.0
+
     # --- vLLM hooks -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         super().add_request(request)

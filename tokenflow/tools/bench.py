@@ -15,10 +15,12 @@ import os
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tokenflow.core.buffer import ReaderBuffer
+from tokenflow.tools.bench_drive import EngineRun, WallClock, WorkClock
 
 SCHEDULERS = ("fcfs", "andes", "tokenflow")
 # TokenFlow's class for each scheduling mode; fcfs is vLLM's own scheduler
@@ -144,12 +146,11 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict], dict | None]:
-    """Drive one engine through the workload; returns readers, wall time, records, scheduler stats."""
+def start_engine(scheduler: str, eng: EngineSettings):
+    """An in-process LLMEngine for one scheduler, warmed up."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
     llm = LLM(**eng.engine_kwargs(scheduler))
     engine = llm.llm_engine
@@ -158,51 +159,72 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
     if got != want:  # e.g. async asked for on vLLM's CPU build, which turns it off
         raise RuntimeError(f"{scheduler}: vLLM runs {got} scheduling on this platform, not {want}")
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    # What is alive now stays for the run: out of the collector's way, as a
-    # vLLM server's EngineCore puts its start-up heap. Otherwise a full
-    # collection over it (and over what earlier engines of this process
-    # left) stops the step loop for 0.3-0.5 s at random, in any scheduler's run.
+    return llm
+
+
+@contextmanager
+def collector_frozen():
+    """What is alive now stays for the run: out of the collector's way, as a
+    vLLM server's EngineCore puts its start-up heap. Otherwise a full
+    collection over it (and over what earlier engines of this process
+    left) stops the step loop for 0.3-0.5 s at random, in any scheduler's run."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
-    arrivals, rates, prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
-    readers: dict[str, ReaderBuffer] = {}
-    finished: set[str] = set()
-    t0 = time.monotonic()
-    nxt = 0
-    while len(finished) < wl.requests:
-        now = time.monotonic() - t0
-        while nxt < wl.requests and arrivals[nxt] <= now:
-            rid = f"req-{nxt}"
-            sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA,
-                                extra_args={"consumption_rate": rates[nxt]})
-            readers[rid] = ReaderBuffer(rate=rates[nxt], arrival_time=max(arrivals[nxt], 0.0))
-            engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, sp)
-            nxt += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(min(0.01, max(0.0, arrivals[nxt] - now)) if nxt < wl.requests else 0.0)
-            continue
-        outs = engine.step()
-        now = time.monotonic() - t0
-        for o in outs:
-            n = len(o.outputs[0].token_ids) if o.outputs else 0
-            readers[o.request_id].on_tokens(now, n)
-            if o.finished:
-                readers[o.request_id].on_finish(now)
-                finished.add(o.request_id)
-    wall = time.monotonic() - t0
-    stats = scheduler_stats(engine)
-    gc.unfreeze()
-    del llm, engine
+
+def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[ReaderBuffer], float, list[dict], dict | None]:
+    """Drive one engine through the workload alone; returns readers, wall time, records, scheduler stats."""
+    llm = start_engine(scheduler, eng)
+    with collector_frozen():
+        run = EngineRun(llm.llm_engine, wl, WallClock())
+        while not run.done:
+            run.turn()
+        wall = run.clock.now()
+        result = list(run.readers.values()), wall, run.records(wall), scheduler_stats(llm.llm_engine)
+    del llm, run
     gc.collect()
-    records = [
-        {"id": rid, "rate": r.rate, "arrival_s": r.arrival_time, "ttft_s": r.ttft, "tokens": r.delivered,
-         "stall_s": r.stall_time(wall), "effective_tokens": r.effective_tokens(), "qoe": r.qoe(),
-         "arrivals_s": r.arrivals}
-        for rid, r in readers.items()
-    ]
-    return list(readers.values()), wall, records, stats
+    return result
+
+
+def run_lockstep(schedulers, wl: Workload, eng: EngineSettings) -> dict[str, tuple]:
+    """Every scheduler's engine in this process at once, taking turns of one
+    step each, each on its own WorkClock (bench_drive.py): the engine whose
+    clock is furthest behind goes next. Returns what run_one does, per
+    scheduler; its wall time is its clock's."""
+    from vllm.distributed.kv_transfer import kv_transfer_state as kv_state
+
+    llms, agents, runs = {}, {}, {}
+    # A worker's KV connector lives in a global of its process (a served
+    # engine's worker has a process to itself); here each engine keeps its
+    # own and puts it in place for its turns.
+    for name in schedulers:
+        kv_state._KV_CONNECTOR_AGENT = None
+        llms[name] = start_engine(name, eng)
+        agents[name] = kv_state._KV_CONNECTOR_AGENT
+        clock = WorkClock()
+        sched = llms[name].llm_engine.engine_core.engine_core.scheduler
+        if hasattr(sched, "set_clock"):  # TokenFlow's reads its readers' buffers on the engine's own timeline
+            sched.set_clock(clock.now)
+        runs[name] = EngineRun(llms[name].llm_engine, wl, clock)
+    with collector_frozen():
+        while live := [name for name in schedulers if not runs[name].done]:
+            name = min(live, key=lambda n: runs[n].clock.now())
+            kv_state._KV_CONNECTOR_AGENT = agents[name]
+            runs[name].turn()
+    result = {}
+    for name, run in runs.items():
+        wall = run.clock.now()
+        result[name] = list(run.readers.values()), wall, run.records(wall), scheduler_stats(run.engine)
+    for name in schedulers:  # each engine shuts down with its own connector in place
+        kv_state._KV_CONNECTOR_AGENT = agents[name]
+        del llms[name], runs[name]
+        gc.collect()
+    kv_state._KV_CONNECTOR_AGENT = None
+    return result
 
 
 def scheduler_stats(engine) -> dict | None:
@@ -302,7 +324,7 @@ def run_order(names, seed: int) -> list[str]:
 
 
 def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDULERS, plots: bool = True,
-              load: float | None = None, rounds: int = 1) -> dict:
+              load: float | None = None, rounds: int = 1, lockstep: bool = False) -> dict:
     """Each scheduler in turn on the same workload. With `load`, the
     workload is first sized to that share of the measured capacity.
 
@@ -311,7 +333,13 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     engine, the order rotated each round, and each scheduler's figures
     pooled over its rounds: a VM that drifts over minutes then slows every
     scheduler alike, and a P99 is taken over more first tokens. The plots
-    show the first round."""
+    show the first round.
+
+    With `lockstep` the schedulers of a round run at once, in turns of one
+    engine step each, each on the clock of its own engine's work
+    (bench_drive.py): what a slow minute of the machine does, it does to
+    every scheduler's steps alike. Times are then seconds of engine work,
+    not of the wall."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     out = Path(out_dir)
@@ -333,8 +361,12 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     for k in range(rounds):
         order = run_order(schedulers, wl.seed + k)
         orders.append(order)
-        for name in order:
-            readers, wall, records, st = run_one(name, replace(wl, seed=wl.seed + k), eng)
+        round_wl = replace(wl, seed=wl.seed + k)
+        if lockstep:
+            played_now = run_lockstep(order, round_wl, eng).items()
+        else:  # one after another, each summary printed as it ends
+            played_now = ((name, run_one(name, round_wl, eng)) for name in order)
+        for name, (readers, wall, records, st) in played_now:
             played[name].append((readers, wall))
             figures[name].append(summarize([(readers, wall)], wl.output_tokens))
             stats[name].append(st)
@@ -352,7 +384,10 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
             results[name]["rounds"] = figures[name]
     summary = {
         "workload": {**asdict(wl), "engine": {**asdict(eng), "scheduling": resolve_scheduling(eng.scheduling)},
-                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)",
+                     "timing": "engine-side: tokens timed in the process stepping vLLM's LLMEngine (no HTTP)"
+                               + ("; lockstep: the engines took turns of a step each, each timed on the clock "
+                                  "of its own work" if lockstep else ""),
+                     "lockstep": lockstep,
                      "calibration": calibration, "order": orders[0], "rounds": rounds,
                      "round_orders": orders},
         "results": results,

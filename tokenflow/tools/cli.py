@@ -47,7 +47,7 @@ def _cmd_bench(args) -> int:
                          extra=json.loads(args.engine_args),
                          tokenflow={"dt": 0.1, **json.loads(args.tokenflow)}, scheduling=args.scheduling)
     summary = run_bench(args.out, wl, eng, schedulers=args.schedulers, plots=not args.no_plots, load=args.load,
-                        rounds=args.rounds)
+                        rounds=args.rounds, lockstep=args.lockstep)
     print(json.dumps(summary.get("ratios_tokenflow_vs_fcfs", {})))
     print(f"wrote {args.out}/summary.json")
     return 0
@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rounds", type=_positive_int, default=1,
                    help="the schedulers take turns this many times, a new workload (seed + round) each round and "
                         "the order rotated; figures pooled over the rounds (a drifting machine slows all alike)")
+    c.add_argument("--lockstep", action="store_true",
+                   help="run a round's schedulers at once, taking turns of one engine step each, each timed on "
+                        "the clock of its own engine's work: a machine that slows for a while slows all alike")
     c.add_argument("--model", default="models/tiny-llama")
     c.add_argument("--kv-bytes", type=int, default=32 << 20, help="KV pool bytes (0: vLLM's default)")
     c.add_argument("--offload-bytes", type=int, default=256 << 20,
