@@ -405,14 +405,15 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         # and rate() cannot see an increase from a series that did not exist,
         # so the quantile panels need series that exist before the burst.
         histograms = [s.exported("count") for s in tfm.engine_specs() if s.kind == "histogram"]
-        n, max_tokens, rates = 8, 48, [2.0, 3.0, 4.0, 5.0]
+        n, max_tokens, rates = 8, 192, [2.0, 3.0, 4.0, 5.0]
         with urllib.request.urlopen(serve_app["base_url"] + "/v1/tokenflow/engines", timeout=30) as r:
             # fresh: the state board lists a dead replica for a while after.
             live = {e["engine_id"] for e in json.loads(r.read())["engines"] if e["fresh"]}
         # Buffers are sampled once a second (tokenflow/serve/metrics.py): the
-        # warm-up streams last longer than that, or a short burst can end
-        # between two samples of an engine and leave it without a series.
-        warm_tokens = 4 * max_tokens
+        # streams last longer than that, or a short burst can end between two
+        # samples of an engine and leave it without a series (or, in the
+        # burst below, its buffer panels without data: 48 tokens did once).
+        warm_tokens = max_tokens
         for _ in range(3):
             sent_tokens += sum(r["tokens"] for r in _burst(client, model, n, warm_tokens, rates, client_metrics))
             sent_requests += n
@@ -446,7 +447,7 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         base_by_engine = {r["metric"]["ReplicaId"]: float(r["value"][1])
                           for r in prom.api("query", query=ttft_by_engine)["result"]}
 
-        # The burst: 8 streaming readers at once, 48 tokens each. Slow readers
+        # The burst: 8 streaming readers at once, 192 tokens each. Slow readers
         # (2-5 tokens/s): big buffers, so the scheduler has reason to pause.
         start = time.time()
         results = _burst(client, model, n, max_tokens, rates, client_metrics)
@@ -474,11 +475,12 @@ def test_prometheus_sees_the_burst_and_every_panel_has_data(serve_app, client, t
         # chunk) and start the reader at their own first token, so they
         # differ only by transport jitter J relative to the first token: it
         # moves a buffer by at most rate * J tokens, and the weight falls from
-        # 1 to 0 over a ramp of 0.1 * n = 4.8 tokens (buffers of 4.8 to 9.6
+        # 1 to 0 over a ramp of 0.1 * n = 19.2 tokens (buffers of 19.2 to 38.4
         # tokens). Tokens are sent far faster than read, so each request
-        # crosses the ramp about once: about 4.8 + 2 * rate * J tokens can
-        # differ, each by at most rate * J / 4.8. For rate <= 5 tokens/s and
-        # J <= 0.5 s that is at most ~5 tokens of 48: hence 10% of the tokens.
+        # crosses the ramp about once: about 19.2 + 2 * rate * J tokens can
+        # differ, each by at most rate * J / 19.2. For rate <= 5 tokens/s and
+        # J <= 0.5 s that is at most ~3 tokens of 192; 10% of the tokens
+        # leaves room for a jitter several times that.
         server_effective = got["effective"] - base["effective"]
         print(f"effective tokens: server {server_effective:.2f}, client {client_effective:.2f}, "
               f"raw {client_tokens}")
