@@ -89,6 +89,10 @@ def test_bench_lockstep_times_each_engine_on_its_own_work(tmp_path):
         assert 0 < res["ttft_p50_s"] <= res["ttft_p99_s"] < 0.5, name
         walls.append(res["wall_s"])
     assert sum(walls) < elapsed  # the engines shared the run's time
+    # Each request's first token under both, paired.
+    paired = summary["paired_ttft_tokenflow_minus_fcfs"]
+    assert paired["requests"] == 10 and paired["p1_s"] <= paired["p50_s"] <= paired["p99_s"]
+    assert abs(paired["p50_s"]) < 0.5
 
 
 def test_work_clock_counts_only_the_work_and_jumps_over_waits():

@@ -312,6 +312,22 @@ def combine_stats(per_round: list[dict | None]) -> dict | None:
     return {k: (max if k.startswith("max_") else sum)(st[k] for st in per_round) for k in per_round[0]}
 
 
+def paired_ttft(ttfts: dict) -> dict | None:
+    """Lockstep only: each request's first token under tokenflow minus
+    under fcfs, where both engines saw it arrive at the same time on their
+    own clocks. A P99 is the third-slowest of 288 first tokens, set by
+    whichever step was slow on one engine; the pairs say whether the same
+    requests come later. None unless both ran."""
+    f, t = ttfts.get("fcfs"), ttfts.get("tokenflow")
+    if not f or not t:
+        return None
+    diffs = [t[k] - f[k] for k in f if t.get(k) is not None and f[k] is not None]
+    if not diffs:
+        return None
+    return {"requests": len(diffs), "mean_s": statistics.fmean(diffs),
+            **{f"p{q}_s": percentile(diffs, q / 100) for q in (1, 50, 99)}}
+
+
 def run_order(names, seed: int) -> list[str]:
     """The schedulers (or the app's policies) in the order they run: rotated
     by the seed, so that over seeds 0, 1, 2 each goes first once. On this
@@ -358,6 +374,7 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     figures = {name: [] for name in schedulers}  # each round's summary
     stats = {name: [] for name in schedulers}
     first_records, orders = {}, []
+    ttfts = {name: {} for name in schedulers}  # (round, request id) -> TTFT, for the lockstep pairing
     for k in range(rounds):
         order = run_order(schedulers, wl.seed + k)
         orders.append(order)
@@ -375,6 +392,7 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
                     f.write(json.dumps({**rec, "round": k}) + "\n")
             if k == 0:
                 first_records[name] = records
+            ttfts[name].update(((k, rec["id"]), rec["ttft_s"]) for rec in records)
             print(json.dumps({"scheduler": name, "round": k, **figures[name][-1]}), flush=True)
     results = {}
     for name in schedulers:
@@ -392,6 +410,9 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
                      "round_orders": orders},
         "results": results,
     }
+    if lockstep and (paired := paired_ttft(ttfts)) is not None:
+        summary["paired_ttft_tokenflow_minus_fcfs"] = paired
+        print(json.dumps({"paired_ttft_tokenflow_minus_fcfs": paired}), flush=True)
     if (r := ratios(results)) is not None:
         summary["ratios_tokenflow_vs_fcfs"] = r
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
