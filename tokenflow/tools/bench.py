@@ -183,8 +183,7 @@ def run_one(scheduler: str, wl: Workload, eng: EngineSettings) -> tuple[list[Rea
         run = EngineRun(llm.llm_engine, wl, WallClock())
         while not run.done:
             run.turn()
-        wall = run.clock.now()
-        result = list(run.readers.values()), wall, run.records(wall), scheduler_stats(llm.llm_engine)
+        result = outcome(run)
     del llm, run
     gc.collect()
     return result
@@ -215,16 +214,19 @@ def run_lockstep(schedulers, wl: Workload, eng: EngineSettings) -> dict[str, tup
             name = min(live, key=lambda n: runs[n].clock.now())
             kv_state._KV_CONNECTOR_AGENT = agents[name]
             runs[name].turn()
-    result = {}
-    for name, run in runs.items():
-        wall = run.clock.now()
-        result[name] = list(run.readers.values()), wall, run.records(wall), scheduler_stats(run.engine)
+    result = {name: outcome(run) for name, run in runs.items()}
     for name in schedulers:  # each engine shuts down with its own connector in place
         kv_state._KV_CONNECTOR_AGENT = agents[name]
         del llms[name], runs[name]
         gc.collect()
     kv_state._KV_CONNECTOR_AGENT = None
     return result
+
+
+def outcome(run: EngineRun) -> tuple[list[ReaderBuffer], float, list[dict], dict | None]:
+    """A finished run's readers, wall time (on its clock), records and scheduler stats."""
+    wall = run.clock.now()
+    return list(run.readers.values()), wall, run.records(wall), scheduler_stats(run.engine)
 
 
 def scheduler_stats(engine) -> dict | None:
@@ -315,9 +317,9 @@ def combine_stats(per_round: list[dict | None]) -> dict | None:
 def paired_ttft(ttfts: dict) -> dict | None:
     """Lockstep only: each request's first token under tokenflow minus
     under fcfs, where both engines saw it arrive at the same time on their
-    own clocks. A P99 is the third-slowest of 288 first tokens, set by
-    whichever step was slow on one engine; the pairs say whether the same
-    requests come later. None unless both ran."""
+    own clocks. A P99 over a few hundred first tokens is set by a handful
+    of steps that happened to be slow on one engine; the pairs say whether
+    the same requests come later. None unless both ran."""
     f, t = ttfts.get("fcfs"), ttfts.get("tokenflow")
     if not f or not t:
         return None

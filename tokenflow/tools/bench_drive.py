@@ -61,7 +61,13 @@ class EngineRun:
     times its tokens on the run's clock."""
 
     def __init__(self, engine, wl, clock) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
         self.engine, self.wl, self.clock = engine, wl, clock
+        self._params = lambda rate: SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
+                                                   output_kind=RequestOutputKind.DELTA,
+                                                   extra_args={"consumption_rate": rate})
         self.arrivals, self.rates, self.prompts = wl.arrivals(), wl.reading_rates(), wl.prompts()
         self.readers: dict[str, ReaderBuffer] = {}
         self.finished: set[str] = set()
@@ -87,17 +93,11 @@ class EngineRun:
                 self.finished.add(o.request_id)
 
     def _admit(self) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        wl, now = self.wl, self.clock.now()
-        while self.next < wl.requests and self.arrivals[self.next] <= now:
+        n, now = self.wl.requests, self.clock.now()
+        while self.next < n and self.arrivals[self.next] <= now:
             i, rid = self.next, f"req-{self.next}"
-            sp = SamplingParams(temperature=0, max_tokens=wl.output_tokens, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA,
-                                extra_args={"consumption_rate": self.rates[i]})
             self.readers[rid] = ReaderBuffer(rate=self.rates[i], arrival_time=max(self.arrivals[i], 0.0))
-            self.engine.add_request(rid, {"prompt_token_ids": self.prompts[i]}, sp)
+            self.engine.add_request(rid, {"prompt_token_ids": self.prompts[i]}, self._params(self.rates[i]))
             self.next += 1
 
     def records(self, wall: float) -> list[dict]:
