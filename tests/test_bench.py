@@ -95,6 +95,17 @@ def test_bench_lockstep_times_each_engine_on_its_own_work(tmp_path):
     assert abs(paired["p50_s"]) < 0.5
 
 
+def test_lockstep_is_refused_off_the_cpu_backend(tmp_path, monkeypatch, capsys):
+    """On an accelerator the paired engines would share one device: the bench
+    says so and starts nothing. The platform is the one piece stood in for."""
+    from tokenflow.tools import bench, cli
+
+    monkeypatch.setattr(bench, "_on_cpu", lambda: False)
+    assert cli.main(["bench", "--lockstep", "--out", str(tmp_path / "gpu")]) == 2
+    assert "--lockstep runs on vLLM's CPU backend only" in capsys.readouterr().err
+    assert not (tmp_path / "gpu" / "summary.json").exists()
+
+
 def test_work_clock_counts_only_the_work_and_jumps_over_waits():
     from tokenflow.tools.bench_drive import WorkClock
 

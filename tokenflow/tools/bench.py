@@ -357,9 +357,15 @@ def run_bench(out_dir: str, wl: Workload, eng: EngineSettings, schedulers=SCHEDU
     engine step each, each on the clock of its own engine's work
     (bench_drive.py): what a slow minute of the machine does, it does to
     every scheduler's steps alike. Times are then seconds of engine work,
-    not of the wall."""
+    not of the wall. CPU backend only."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if lockstep and not _on_cpu():
+        # Unmeasured there, and not sound: the engines would share one
+        # device's memory, and under async scheduling one engine's batch in
+        # flight would run on through the other's turn, off its own clock.
+        raise ValueError("--lockstep runs on vLLM's CPU backend only (it pairs engines that share a CPU); "
+                         "on an accelerator, use --rounds")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     calibration = None
