@@ -87,6 +87,8 @@ CASES = [
          status=400, message='Message: consumption_rate must be a number (tokens/s) (Request ID: <id>)'),
     dict(name="consumption_rate twice, different", path=COMP,
          body=comp(consumption_rate=10, vllm_xargs={"consumption_rate": 20}), status=400, message='Message: consumption_rate given twice with different values (10 and vllm_xargs 20) (Request ID: <id>)'),
+    dict(name="tokenflow_continuation not a boolean", path=COMP, body=comp(stream=True, tokenflow_continuation="no"),
+         status=400, message='tokenflow_continuation must be true or false, got "no"'),
     dict(name="JSON nested 100 levels deep", path=CHAT,
          raw=b'{"model": "MODEL", "messages": ' + b"[" * 99 + b"]" * 99 + b"}", status=400,
          message="JSON nested deeper than 64 levels"),

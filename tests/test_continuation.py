@@ -85,6 +85,11 @@ def test_which_streams_can_be_continued():
     assert not continuable(completions_body(stop=["."]), "completions")
     assert not continuable(completions_body(echo=True), "completions")
     assert not continuable(completions_body(prompt=["a", "b"]), "completions")
+    # The client's opt-out, a top-level field as the ingress receives it.
+    assert not continuable(CompletionRequest.model_validate(
+        {"model": "m", "prompt": "a", "stream": True, "tokenflow_continuation": False}), "completions")
+    assert continuable(CompletionRequest.model_validate(
+        {"model": "m", "prompt": "a", "stream": True, "tokenflow_continuation": True}), "completions")
     assert not continuable(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                  stream=True, logprobs=True), "chat")
 

@@ -311,14 +311,18 @@ def _stall_s(rec: dict, since: float, rate: float = READ_RATE) -> float:
     return reader.stall_time(end) - (before if before is not None else reader.stall_time(end))
 
 
-def _pair_bodies(model: str, i: int, max_tokens: int, chat: bool):
+def _pair_bodies(model: str, i: int, max_tokens: int, chat: bool, opt_out: bool = False):
     """The streaming and the whole request of pair i: the same prompt, greedy.
-    Even pairs ask for the token ids too (the ledger then shows them)."""
+    Even pairs ask for the token ids too (the ledger then shows them). An
+    opted-out stream asks not to be continued."""
     words = f"Failover {i}: the river and the mountain"
     prompt = {"messages": [{"role": "user", "content": words}]} if chat else {"prompt": words}
     whole = {"model": model, **prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
              "return_token_ids": i % 2 == 0}
-    return {**whole, "consumption_rate": READ_RATE}, whole
+    stream = {**whole, "consumption_rate": READ_RATE}
+    if opt_out:
+        stream["tokenflow_continuation"] = False
+    return stream, whole
 
 
 def _answer(reply, chat: bool) -> str:
@@ -326,16 +330,17 @@ def _answer(reply, chat: bool) -> str:
     return choice["message"]["content"] if chat else choice["text"]
 
 
-def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http):
+def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http, opt_out=()):
     """Each pair's stream and whole request, interleaved, so both kinds reach
-    both engines at about the same time; the last `chat_pairs` are chats."""
+    both engines at about the same time; the last `chat_pairs` are chats;
+    the streams of the pairs in `opt_out` opt out of continuation."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(2 * pairs)
     streams, wholes, live = [], [], []
     for i in range(pairs):
         chat = i >= pairs - chat_pairs
-        stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat)
+        stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat, i in opt_out)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         live.append(new_record())
         streams.append(pool.submit(_stream, base, stream_body, live[-1], http, chat))
@@ -344,25 +349,47 @@ def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, 
 
 
 def _check_continued(stream_recs, whole_replies, pairs: int, chat_pairs: int, max_tokens: int, what: str,
-                     killed_at: float):
+                     killed_at: float, opt_out=()):
     """Every stream complete and seamless: one id, the whole answer's usage,
     [DONE], no error event, and exactly the text of the same prompt's greedy
-    whole answer (so nothing repeated or missing at the splice)."""
+    whole answer (so nothing repeated or missing at the splice). Opted-out
+    streams are left to `_check_cut`."""
     assert [r.status_code for r in whole_replies] == [200] * pairs, [r.text[:200] for r in whole_replies]
     assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in whole_replies)
     broken = [(i, s["errors"], s["done"], s["tokens"], len(s["ids"])) for i, s in enumerate(stream_recs)
-              if s["status"] != 200 or s["errors"] or not s["done"] or s["tokens"] != max_tokens or len(s["ids"]) != 1]
+              if i not in opt_out and (s["status"] != 200 or s["errors"] or not s["done"]
+                                       or s["tokens"] != max_tokens or len(s["ids"]) != 1)]
     assert not broken, (f"streams not continued seamlessly after {what}", broken)
     for i, (s, whole) in enumerate(zip(stream_recs, whole_replies)):
+        if i in opt_out:
+            continue
         text, ids = _answer(whole, chat=i >= pairs - chat_pairs), whole.json()["choices"][0].get("token_ids")
         k = next((j for j, (a, b) in enumerate(zip(s["text"], text)) if a != b), min(len(s["text"]), len(text)))
         assert s["text"] == text, (f"pair {i}: the stream's text is not the greedy answer ({what}); from char {k}",
                                    s["text"][max(0, k - 20):k + 40], text[max(0, k - 20):k + 40])
         assert s["token_ids"] == (ids or []), f"pair {i}: the ids shown are not the answer's ({what})"
-    stalls = [round(_stall_s(s, killed_at), 2) for s in stream_recs]
+    stalls = [round(_stall_s(s, killed_at), 2) for i, s in enumerate(stream_recs) if i not in opt_out]
     print(f"{what}: readers' stall at {READ_RATE} tokens/s after the kill, per stream (s): {stalls}, "
           f"total {sum(stalls):.2f}")
     return stalls
+
+
+def _check_cut(stream_recs, whole_replies, opt_out, max_tokens: int) -> int:
+    """The negative control: streams that opted out of continuation. Each
+    one the lost engine held ends as it did before continuation existed: the
+    greedy answer's first part, then the lost-engine error event and [DONE];
+    the others complete. Returns how many were cut."""
+    cut = 0
+    for i in opt_out:
+        s, text = stream_recs[i], _answer(whole_replies[i], chat=False)
+        assert s["status"] == 200 and s["done"] and len(s["ids"]) == 1, (i, s["status"], s["done"], s["ids"])
+        if not s["errors"]:
+            assert s["tokens"] == max_tokens and s["text"] == text, f"opted-out pair {i} did not complete"
+            continue
+        cut += 1
+        assert len(s["errors"]) == 1 and s["errors"][0]["code"] == 503, s["errors"]
+        assert (s["tokens"] or 0) < max_tokens and text.startswith(s["text"]), f"opted-out pair {i} was continued"
+    return cut
 
 
 # Each reader may wait this long on an empty buffer after the kill. What
@@ -384,8 +411,9 @@ def test_replica_killed_during_a_burst(serve_app):
     flowing) and whole requests (no token yet): the whole ones are re-sent
     and answer 200 with the same greedy text; its streams, completions and
     chats, are continued on the other engine with nothing repeated or
-    missing and the reader never left waiting long; Serve restarts the
-    replica and the router sends it work again."""
+    missing and the reader never left waiting long, but those that opted out
+    of continuation end with the error event (the negative control); Serve
+    restarts the replica and the router sends it work again."""
     import os
     import signal
     import time
@@ -396,9 +424,12 @@ def test_replica_killed_during_a_burst(serve_app):
     base, model = serve_app["base_url"], serve_app["model"]
     _wait_engines(base, 2, timeout=300)
     max_tokens, pairs, chat_pairs = 2000, 16, 4  # long enough that the burst is still running at the kill
+    # The negative control: half the completion streams opt out of
+    # continuation; the routing spreads them over both engines.
+    opt_out = set(range(1, pairs - chat_pairs, 2))
     http = _burst_client(base)
     lost_before = _engines(base, http)["replicas_lost"]
-    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, opt_out)
 
     victim = _choose_victim(base, http, live, wholes)
     assert victim["pid"] > 0
@@ -413,9 +444,12 @@ def test_replica_killed_during_a_burst(serve_app):
     http.close()
 
     stalls = _check_continued(stream_recs, whole_replies, pairs, chat_pairs, max_tokens, "a replica killed",
-                              killed_at)
+                              killed_at, opt_out)
+    cut = _check_cut(stream_recs, whole_replies, opt_out, max_tokens)
     lost = {k: v - lost_before.get(k, 0) for k, v in _engines(base)["replicas_lost"].items()}
-    assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["ended_mid_stream"] == 0, lost
+    print(f"a replica killed: {cut} of {len(opt_out)} opted-out streams cut, {lost}")
+    assert cut >= 1, "no opted-out stream was on the killed engine: the control showed nothing"
+    assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["ended_mid_stream"] == cut, lost
     assert max(stalls) < STALL_BOUND_S, stalls
 
     # Serve restarts the replica (a new id); the router then sends it work.

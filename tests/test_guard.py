@@ -517,6 +517,21 @@ def test_total_tokens_and_json_depth_are_bounded():
     run(scenario())
 
 
+def test_the_continuation_opt_out_must_be_a_boolean():
+    async def scenario():
+        asgi = TokenFlowGuard(make_app(), environ={})
+        for bad in ("no", 0, 1, None, []):
+            body = {"prompt": "a", "max_tokens": 4, "stream": True, "tokenflow_continuation": bad}
+            r = await call(asgi, "POST", "/v1/completions", json=body)
+            assert_openai_error(r, 400, "BadRequestError")
+            assert r.json()["error"]["message"].startswith("tokenflow_continuation must be true or false, got ")
+        for good in (True, False):
+            body = {"prompt": "a", "max_tokens": 4, "stream": True, "tokenflow_continuation": good}
+            assert (await call(asgi, "POST", "/v1/completions", json=body)).status_code == 200
+        assert asgi.ongoing == 0
+    run(scenario())
+
+
 def test_with_every_time_limit_off_a_request_runs_as_is():
     async def scenario():
         events = []

@@ -65,6 +65,12 @@ DEFAULT_RATE = TokenFlowConfig.model_fields["default_rate"].default
 # The `vllm_xargs` key (and top-level body field) of a reader's rate.
 RATE_KEY = "consumption_rate"
 
+# A top-level body field: `false` opts a stream out of continuation (a
+# client that wants an error rather than a splice, e.g. to keep a seeded
+# sampler's one random stream); the ingress answers 400 to anything but a
+# JSON boolean.
+CONTINUATION_KEY = "tokenflow_continuation"
+
 # `vllm_xargs` keys of a stream continued from a lost engine
 # (tokenflow/serve/continuation.py): its reader's unread tokens when it was
 # handed over, and the seconds since the client sent it. The scheduler ranks

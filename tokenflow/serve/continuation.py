@@ -23,7 +23,7 @@ tokenizer knows the ids' bytes, and a chunk's text does not show where it
 stopped (a chunk can carry several ids, the last one held back).
 
 What is not continued (such a stream ends with the lost-engine error event,
-as before): n > 1, logprobs, echo, stop strings (vLLM holds back text that
+as before): a stream whose body says `"tokenflow_continuation": false`, n > 1, logprobs, echo, stop strings (vLLM holds back text that
 may start one, so the text sent can lag the ids sent), tools, structured
 output, several prompts in one request. A seeded sampled stream continues
 with a different random stream after the splice.
@@ -37,7 +37,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import CARRIED_KEY, RATE_KEY, SENT_KEY, WAITED_KEY
+from tokenflow.core.config import CARRIED_KEY, CONTINUATION_KEY, RATE_KEY, SENT_KEY, WAITED_KEY
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
 # escaped, so text cannot match; `"token_ids":[` is not inside the other.
@@ -58,6 +58,8 @@ def continuable(body: Any, call_method: str) -> bool:
     """Whether a request is a stream this module can continue (module doc)."""
     if call_method not in ("chat", "completions") or not getattr(body, "stream", False):
         return False
+    if (getattr(body, "model_extra", None) or {}).get(CONTINUATION_KEY) is False:
+        return False  # the client opted out
     if (getattr(body, "n", 1) or 1) != 1 or getattr(body, "logprobs", None) or getattr(body, "stop", None):
         return False
     if getattr(body, "structured_outputs", None) is not None:

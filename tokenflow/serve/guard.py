@@ -27,6 +27,8 @@ Retry-After), a body size limit (413), a time limit on receiving the body
 sequences one generation request asks for, `n` times the prompts of a
 batched completion (400; vLLM itself accepts any n, one sequence each).
 `n` is read as the OpenAI handlers will read it (JSON escapes, "5", 5.0).
+`tokenflow_continuation` (a stream's opt-out of continuation) must be a
+JSON boolean (else 400).
 Generation requests run under time limits (first token, whole request:
 504, or an SSE error event and [DONE] once a stream has begun; the work is
 cancelled) and a quiet stream gets SSE keepalive comments (TimedRequest).
@@ -51,6 +53,7 @@ from typing import Iterable, Optional
 
 from pydantic import Field
 
+from tokenflow.core.config import CONTINUATION_KEY
 from tokenflow.core.settings import Amount, Count, Positive, Settings
 from tokenflow.serve.failover import lost_event
 
@@ -356,6 +359,8 @@ class TokenFlowGuard:
         """The engine work one generation request asks for: sequences, tokens."""
         if doc is None:
             return None
+        if not isinstance(opt := doc.get(CONTINUATION_KEY, True), bool):
+            return f"{CONTINUATION_KEY} must be true or false, got {json.dumps(opt)}"
         count = sequences(path, doc)
         if count > self.settings.max_n:
             return f"n x prompts must be at most {self.settings.max_n}, got {count}"
