@@ -357,7 +357,18 @@ finished by another engine, inside the same SSE stream:
   created time, chat chunks for a chat stream, `usage` counting the whole
   answer (prompt tokens of the original prompt). A continuation lost too is
   continued again, up to `admission.max_continuations` (2) in all; then the
-  error event. `0` switches continuation off.
+  error event. `0` switches continuation off for the app; a request's
+  top-level `"tokenflow_continuation": false` switches it off for that
+  stream (for a client that would rather have the error than a splice, as
+  with a seeded sampler: see the limits below). Anything but a JSON boolean
+  there gets 400.
+- The negative control runs in the same burst as the replica kill
+  (`test_replica_killed_during_a_burst`): half its completion streams opt
+  out. Those the killed engine held end as streams did before
+  continuation: the greedy answer's first part, the lost-engine error
+  event, `[DONE]`, and one `ended_mid_stream` each in `replicas_lost`; the
+  test fails if none of them was on the killed engine. The other streams
+  of the same burst, on the same engine, are continued seamlessly.
 - Counted as `continued` in `replicas_lost` of `GET /v1/tokenflow/engines`,
   and in Prometheus: `ray_tokenflow_engine_losses_total` by outcome, each
   splice's gap without tokens (`ray_tokenflow_continuation_gap_seconds`),
@@ -436,27 +447,41 @@ its streams over instead:
   `ray_tokenflow_engine_losses_total` (the overview's "Engine losses" panel
   shows both).
 
-Test (tests/test_failover.py::test_replica_stopped_by_serve_hands_its_streams_over,
-live app): 8 pairs of a stream and a whole request of 1,000 tokens, 2 of
-them chats; the replica holding both kinds is stopped by calling its
-actor's `perform_graceful_shutdown`, the method Serve's controller calls on
-a redeploy or a scale-down (the test then kills the actor, as the
-controller does after the drain, and Serve starts a replacement). Every
-stream is continued seamlessly, as in the failure tests; the losses count
-as `shutdown`, none as `failure`; no reader waits 30 s or more on an
-empty buffer after the stop. Measured (this VM, 2026-12-01, readers at 20
-tokens/s, three runs): readers waited at most 0.98 s and 0.11 s per stream
-after the stop (12 pairs of 1,500 tokens, before the test was shortened for
-the suite's time) and 0.09 s (8 pairs of 1,000 tokens); the drain then took
-18.3 s, 28.6 s and 11.3 s, the whole requests in hand. In an earlier version, which
-left the handed-over streams' requests running in the stopping engine until
-the replica died, the drain took 50.7 s: the replica now aborts each one as
-it hands it over.
+Test (tests/test_failover.py::test_a_scale_down_through_serve_hands_its_streams_over,
+live app): 8 pairs of a stream and a whole request of 1,500 tokens, 2 of
+them chats. Once both engines run streams, the app's own config is
+deployed again with a `deployments` override of one engine replica
+(`num_replicas: 1`), through Serve's REST API on the Ray dashboard, as
+`serve deploy` sends it. Serve's controller picks a replica and stops it.
+Every stream is continued seamlessly, as in the failure tests; the losses
+count as `shutdown`, none as `failure`; no reader waits 30 s or more on an
+empty buffer after the stop. The test then deploys the config as it was,
+and Serve starts a second engine again.
 
-Not tested live: a redeploy with a changed config, or a scale-down, through
-Serve's controller itself (each would start or stop engines in the suite's
-shared app: one to two minutes more of the suite on 2 cores). The test
-drives the same replica method they call.
+The test sends the PUT itself, with the cluster's token: Ray 2.60 turns
+token auth on for the local cluster that `serve run` starts, and keeps
+the token in `~/.ray/auth_token`. An operator's `serve deploy` against
+`make serve`'s app needs `RAY_AUTH_MODE=token` in its environment to send
+that token. On 2 busy cores the `serve` command took 40 s to start and
+reach the controller, and the burst was over by then.
+
+Measured (this VM, 2026-12-02 06:32 UTC, readers at 20 tokens/s): the
+controller stopped the replica 0.16 s after the PUT; its streams left it
+within 0.1 s; readers waited 0 s on an empty buffer; the replica was
+stopped 2.1 s after the stop began. Earlier runs of the test it replaces,
+which called the replica's `perform_graceful_shutdown` itself (2026-12-01,
+three runs): readers waited at most 0.98, 0.11 and 0.09 s per stream; the
+drain took 18.3, 28.6 and 11.3 s, the whole requests in hand. In an
+earlier version, which left the handed-over streams' requests running in
+the stopping engine until the replica died, the drain took 50.7 s: the
+replica now aborts each one as it hands it over.
+
+Not tested live: a redeploy that changes the app's `args`. Serve then
+replaces every replica, the ingress's too. The engines hand their streams
+over as above. But the old ingress relays its streams only for its own
+`graceful_shutdown_timeout_s` (Serve's default, 20 s); a stream longer
+than that after the redeploy begins is cut there. The ingress sets no
+longer timeout today.
 
 ## Node KV pools: life and size (tokenflow/serve/kv_pool.py)
 
