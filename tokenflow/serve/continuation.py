@@ -23,10 +23,11 @@ tokenizer knows the ids' bytes, and a chunk's text does not show where it
 stopped (a chunk can carry several ids, the last one held back).
 
 What is not continued (such a stream ends with the lost-engine error event,
-as before): a stream whose body says `"tokenflow_continuation": false`, n > 1, logprobs, echo, stop strings (vLLM holds back text that
-may start one, so the text sent can lag the ids sent), tools, structured
-output, several prompts in one request. A seeded sampled stream continues
-with a different random stream after the splice.
+as before): a stream whose body says `"tokenflow_continuation": false`,
+n > 1, logprobs, echo, stop strings (vLLM holds back text that may start
+one, so the text sent can lag the ids sent), tools, structured output,
+several prompts in one request. A seeded sampled stream continues with a
+different random stream after the splice.
 """
 
 from __future__ import annotations

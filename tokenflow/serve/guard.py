@@ -316,7 +316,7 @@ class TokenFlowGuard:
                 return
             doc, problem = self._parse(path, body, ctype)
             if problem is None:
-                problem = self._check_work(path, doc)
+                problem = self._check_work(path, doc) or self._check_options(doc)
             if problem is not None:
                 return await send_error(send, 400, problem, "BadRequestError")
             receive, send = self._replay(body, receive), self._backpressure_to_429(send)
@@ -359,8 +359,6 @@ class TokenFlowGuard:
         """The engine work one generation request asks for: sequences, tokens."""
         if doc is None:
             return None
-        if not isinstance(opt := doc.get(CONTINUATION_KEY, True), bool):
-            return f"{CONTINUATION_KEY} must be true or false, got {json.dumps(opt)}"
         count = sequences(path, doc)
         if count > self.settings.max_n:
             return f"n x prompts must be at most {self.settings.max_n}, got {count}"
@@ -370,6 +368,13 @@ class TokenFlowGuard:
         if cap is not None and per_sequence is not None and count * per_sequence > cap:
             return (f"sequences x max_tokens must be at most {cap} tokens, got {count} x {per_sequence} = "
                     f"{count * per_sequence}")
+        return None
+
+    @staticmethod
+    def _check_options(doc: Optional[dict]) -> Optional[str]:
+        """TokenFlow's own body fields that nothing downstream validates."""
+        if doc is not None and not isinstance(opt := doc.get(CONTINUATION_KEY, True), bool):
+            return f"{CONTINUATION_KEY} must be true or false, got {json.dumps(opt)}"
         return None
 
     @staticmethod
