@@ -62,3 +62,24 @@ def test_defaults_and_command_line_strings():
     assert a["router"]["reader_rate"] == 12.0
     gpu = resolve_args({"accelerator": "gpu"})
     assert gpu["replica_num_cpus"] is None and gpu["engine_kwargs"] == {}  # Ray Serve LLM's own defaults
+
+
+@pytest.mark.parametrize("model_path, skipped", [
+    ("models/tiny-llama", True),              # a directory here: nothing to fetch
+    ("meta-llama/Llama-3.2-1B", False),       # a hub id: Serve LLM's step as it is
+    ("s3://bucket/models/tiny-llama", False),  # a mirror: the step downloads it
+])
+def test_the_node_download_step_is_skipped_only_for_a_local_model(model_path, skipped):
+    """The engines' LLMConfig carries TokenFlow's callback, and the callback
+    turns off Serve LLM's per-node download task only where it would fetch
+    nothing (the context it reads is the one Serve LLM's engine start reads)."""
+    import asyncio
+
+    from tokenflow.serve.app import build_llm_config
+
+    args = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["applications"][0]["args"]
+    llm_config, _ = build_llm_config({**args, "model_path": model_path})
+    callback = llm_config.get_or_create_callback()
+    assert type(callback).__name__ == "LocalModelCallback"
+    asyncio.run(callback.run_callback("on_before_node_init"))
+    assert callback.ctx.run_init_node is (not skipped)

@@ -76,6 +76,8 @@ def build_llm_config(args: dict | None):
         experimental_configs=a["experimental_configs"],
         # Dotted path, so the replica process imports it itself.
         server_cls="tokenflow.serve.llm_server:TokenFlowLLMServer",
+        # Skips the per-node download task where the model is a local directory.
+        callback_config={"callback_class": "tokenflow.serve.node_init:LocalModelCallback"},
     )
     if a["placement_group_config"] is not None:
         kwargs["placement_group_config"] = a["placement_group_config"]

@@ -6,6 +6,10 @@ the one to re-check. Public names (`ray.serve.llm`, `ray.serve.llm.ingress`,
 where they are used.
 """
 
+# Serve LLM's hook around its per-node model download, which lets a
+# callback skip that step (tokenflow/serve/node_init.py).
+from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: F401
+
 # The ingress's own FastAPI app (`init`, with Ray's exception middleware) and
 # its route table: TokenFlow adds routes and its guard to that app, which
 # `build_openai_app` builds out of reach.
