@@ -12,26 +12,41 @@ from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: F401
 
 # The ingress's own FastAPI app (`init`, with Ray's exception middleware) and
 # its route table: TokenFlow adds routes and its guard to that app, which
-# `build_openai_app` builds out of reach.
-# What `build_openai_app` does with the ingress's options and model cards,
-# repeated by tokenflow/serve/app.py, which builds the same graph itself.
+# `build_openai_app` builds out of reach. What `build_openai_app` does with
+# the ingress's options and model cards, repeated by tokenflow/serve/app.py,
+# which builds the same graph itself. The error body of an ErrorResponse (the
+# public ErrorResponse needs one).
 from ray.llm._internal.common.dict_utils import (
     maybe_apply_llm_deployment_config_defaults,  # noqa: F401
 )
-
-# The error body of an ErrorResponse (the public ErrorResponse needs one).
-from ray.llm._internal.serve.core.configs.openai_api_models import (
-    ErrorInfo,  # noqa: F401
-    to_model_metadata,  # noqa: F401
-)
-from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS  # noqa: F401
-from ray.llm._internal.serve.core.ingress.ingress import init as init_fastapi  # noqa: F401
 
 # Serve's default request router: the slack router extends it, to keep its
 # fallback (power of two choices) and its replica queue-length cache.
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,  # noqa: F401
 )
+
+# Those of Serve LLM's modules import vLLM (about 9 s of a core), so their
+# names are imported on first use (`__getattr__` below): the request router
+# needs none of them, and Serve's controller imports it to validate every
+# config override (a `serve deploy` that scales the engines), which then
+# waited for vLLM's import.
+_HEAVY = {
+    "ErrorInfo": ("ray.llm._internal.serve.core.configs.openai_api_models", "ErrorInfo"),
+    "to_model_metadata": ("ray.llm._internal.serve.core.configs.openai_api_models", "to_model_metadata"),
+    "DEFAULT_ENDPOINTS": ("ray.llm._internal.serve.core.ingress.ingress", "DEFAULT_ENDPOINTS"),
+    "init_fastapi": ("ray.llm._internal.serve.core.ingress.ingress", "init"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _HEAVY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _HEAVY[name]
+    return getattr(importlib.import_module(module), attr)
+
 
 
 def replica_stopping():
