@@ -455,8 +455,8 @@ deployed again with a `deployments` override of one engine replica
 `serve deploy` sends it. Serve's controller picks a replica and stops it.
 Every stream is continued seamlessly, as in the failure tests; the losses
 count as `shutdown`, none as `failure`; no reader waits 30 s or more on an
-empty buffer after the stop. The test then deploys the config as it was,
-and Serve starts a second engine again.
+empty buffer after the stop. The redeploy test below brings the second
+engine back.
 
 The test sends the PUT itself, with the cluster's token: Ray 2.60 turns
 token auth on for the local cluster that `serve run` starts, and keeps
@@ -476,12 +476,43 @@ earlier version, which left the handed-over streams' requests running in
 the stopping engine until the replica died, the drain took 50.7 s: the
 replica now aborts each one as it hands it over.
 
-Not tested live: a redeploy that changes the app's `args`. Serve then
-replaces every replica, the ingress's too. The engines hand their streams
-over as above. But the old ingress relays its streams only for its own
-`graceful_shutdown_timeout_s` (Serve's default, 20 s); a stream longer
-than that after the redeploy begins is cut there. The ingress sets no
-longer timeout today.
+A redeploy that changes the app's `args` (any of them) is a new code
+version of the whole app: Serve replaces every replica, the ingress's too.
+- The engines roll one at a time: Serve stops an old one (which hands its
+  streams over as above) and starts a new one, or starts one first when
+  the deployment is short of its target.
+- The old ingress drains: it takes no new request and relays the streams
+  it holds to their end. Serve kills a draining replica after its
+  `graceful_shutdown_timeout_s`, 20 s by default, which would cut any
+  stream still running then; TokenFlow sets the ingress's to
+  `admission.request_timeout_s` (one day when that is null), the longest
+  the guard lets a request run (tokenflow/serve/app.py,
+  `ingress_deployment_config`). New requests wait in Serve's proxy until
+  the new ingress runs.
+- Serve's controller imports the request router's module to validate a
+  config that overrides a deployment (the scale-down above). That module
+  used to import vLLM through Serve LLM's OpenAI models, and the
+  controller applied the override only after that import: 8 s on an idle
+  VM, about 20 s during a burst, by which time the test's streams had
+  ended. Those names are now imported on first use
+  (tokenflow/serve/ray_private.py); the router's module imports in 1 s.
+
+Test (tests/test_failover.py::test_a_redeploy_that_changes_the_args_cuts_no_stream,
+live app, run right after the scale-down, so from one engine): three
+pairs of a stream and a whole request of 500 tokens, then the config with
+`admission.request_timeout_s` halved, through Serve's REST API; then one
+more pair every 1.5 s until two engines of the new version run, every
+fourth pair a chat. Every stream completes with the greedy answer's text,
+one id, the answer's `usage` and `[DONE]`; no engine and no ingress
+replica of the old version is left; the new ingress counts the streams
+the last old engine handed over (`shutdown` at least 1, `failure` 0).
+Measured (this VM, 2026-12-02 09:27 UTC): 65 pairs over a rollout of
+115 s; readers waited 0-1.23 s on an empty buffer, 1.79 s in all over 65
+streams. The test does not show a stream outliving Serve's 20 s default
+through the draining ingress: the streams the old ingress held ended
+sooner than that. Run once with the ingress's timeout set back to 20 s,
+it passed as well (70 pairs, 125 s), so it does not guard that setting;
+tests/test_settings.py checks the setting itself.
 
 ## Node KV pools: life and size (tokenflow/serve/kv_pool.py)
 

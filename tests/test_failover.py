@@ -553,16 +553,19 @@ def _serve_deploy(config: dict) -> None:
     ~/.ray/auth_token). Sent from here, not through the `serve` command: on
     2 busy cores the command took 40 s to start and reach the controller,
     longer than the burst it was to land in."""
+    import httpx
+
+    r = httpx.put("http://127.0.0.1:8265/api/serve/applications/", json=config, headers=_ray_auth(), timeout=120)
+    assert r.status_code == 200, (r.status_code, r.text[:2000])
+
+
+def _ray_auth() -> dict:
     import os
     from pathlib import Path
 
-    import httpx
-
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
     token = os.environ.get("RAY_AUTH_TOKEN") or Path(token_file).read_text().strip()
-    r = httpx.put("http://127.0.0.1:8265/api/serve/applications/", json=config,
-                  headers={"Authorization": f"Bearer {token}"}, timeout=120)
-    assert r.status_code == 200, (r.status_code, r.text[:2000])
+    return {"Authorization": f"Bearer {token}"}
 
 
 def _streams_on_every_engine(base: str, http, live: list[dict], n: int) -> None:
@@ -585,8 +588,8 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     controller stops one engine replica, and that replica's started
     streams, completions and chats, leave it at their next chunk and
     continue on the other engine, seamlessly; none is cut and the losses
-    count as shutdowns, not failures. Then the config as it was: Serve
-    starts an engine again, and later tests have two."""
+    count as shutdowns, not failures. The next test deploys two engines
+    again (this one does if it fails)."""
     import time
 
     import yaml
@@ -611,11 +614,20 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
         _serve_deploy(fewer)
         stream_recs = [f.result(timeout=600) for f in streams]
         whole_replies = [f.result(timeout=600) for f in wholes]
-        left = [e["engine_id"] for e in _engines(base, http)["engines"] if e["fresh"]]
+        # The stopped replica may push a last state while it finishes its
+        # whole requests; its row then ages out (stale_after_s).
+        deadline, left = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            left = [e["engine_id"] for e in _engines(base, http)["engines"] if e["fresh"]]
+            if len(left) == 1:
+                break
+            time.sleep(0.5)
+    except BaseException:
+        _serve_deploy(config)  # two engines again for the tests after
+        raise
     finally:
         pool.shutdown()
         http.close()
-        _serve_deploy(config)  # two engines again, whatever happened
     stalls = _check_continued(stream_recs, whole_replies, pairs, chat_pairs, max_tokens, "a scale-down",
                               stopped_at)
     assert len(left) == 1, left  # Serve did stop one
@@ -625,7 +637,96 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, lost
     assert causes["shutdown"] >= 1 and causes["failure"] == 0, causes
     assert max(stalls) < STALL_BOUND_S, stalls
-    _wait_engines(base, 2, timeout=600, exclude=set(e["engine_id"] for e in engines) - set(left))
+
+
+def _serve_replicas(deployment: str) -> dict[str, str]:
+    """Replica id -> state of one of the app's deployments, from Serve's REST
+    API (what `serve status` shows)."""
+    import httpx
+
+    r = httpx.get("http://127.0.0.1:8265/api/serve/applications/", headers=_ray_auth(), timeout=60)
+    assert r.status_code == 200, (r.status_code, r.text[:2000])
+    (app,) = r.json()["applications"].values()
+    return {x["replica_id"]: x["state"] for x in app["deployments"][deployment]["replicas"]}
+
+
+# Seconds between the pairs sent while a redeploy rolls out, and their length.
+REDEPLOY_PAIR_GAP_S, REDEPLOY_TOKENS = 1.5, 500
+
+
+@pytest.mark.slow
+def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
+    """An operator deploys the app's config with an argument changed
+    (admission.request_timeout_s) while streams run. A new config version
+    replaces every replica: Serve stops the ingress (it drains: it relays
+    its streams to their end) and rolls the engines one at a time, each
+    stopped engine handing its streams to a running one. Pairs of a stream
+    and a whole request keep arriving through the whole rollout; every one
+    completes with the greedy answer, nothing repeated, missing or cut, and
+    at the end no replica of the old version is left."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    from tests.conftest import LOCAL_CONFIG
+
+    base, model = serve_app["base_url"], serve_app["model"]
+    old_engines = {e["engine_id"] for e in _wait_engines(base, 1, timeout=600)}
+    with open(LOCAL_CONFIG) as f:
+        changed = yaml.safe_load(f)
+    args = changed["applications"][0]["args"]
+    args["admission"]["request_timeout_s"] = args["admission"]["request_timeout_s"] / 2
+    old_ingress = set(_serve_replicas("TokenFlowIngress"))
+    http = _burst_client(base)
+    pool = ThreadPoolExecutor(64)
+    streams, wholes, chats = [], [], []
+
+    def send_pair():
+        i = len(streams)
+        chat = i % 4 == 3
+        stream_body, whole_body = _pair_bodies(model, 100 + i, REDEPLOY_TOKENS, chat)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        chats.append(chat)
+        streams.append(pool.submit(_stream, base, stream_body, None, http, chat))
+        wholes.append(pool.submit(http.post, base + path, json=whole_body, timeout=600))
+
+    try:
+        for _ in range(3):  # streams running on the old version when it goes
+            send_pair()
+        redeployed_at = time.monotonic()
+        _serve_deploy(changed)
+        deadline, fresh = time.monotonic() + 600, []
+        while time.monotonic() < deadline:
+            send_pair()
+            time.sleep(REDEPLOY_PAIR_GAP_S)
+            fresh = [e for e in _engines(base, http)["engines"] if e["fresh"]]
+            if len(fresh) == 2 and not {e["engine_id"] for e in fresh} & old_engines:
+                break
+        rolled_at = time.monotonic()
+        stream_recs = [f.result(timeout=600) for f in streams]
+        whole_replies = [f.result(timeout=600) for f in wholes]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    print(f"a redeploy: {len(streams)} pairs over a rollout of {rolled_at - redeployed_at:.0f} s")
+    assert not {e["engine_id"] for e in fresh} & old_engines and len(fresh) == 2, fresh
+    stalls = []
+    for k, chat in enumerate((False, True)):  # _check_continued takes the chats last
+        idx = [i for i, c in enumerate(chats) if c == chat]
+        stalls += _check_continued([stream_recs[i] for i in idx], [whole_replies[i] for i in idx],
+                                   len(idx), len(idx) if chat else 0, REDEPLOY_TOKENS, "a redeploy", redeployed_at)
+    assert max(stalls) < STALL_BOUND_S, stalls
+    # The old ingress is gone, a new one serves; the old engines' streams were
+    # handed over (counted by the ingress that relayed them: the new one, for
+    # the streams it had begun to relay before the last old engine stopped).
+    deadline = time.monotonic() + 120
+    while old_ingress & set(_serve_replicas("TokenFlowIngress")) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    now = _serve_replicas("TokenFlowIngress")
+    assert not old_ingress & set(now) and list(now.values()) == ["RUNNING"], (old_ingress, now)
+    causes = _engines(base, http)["replicas_lost_by_cause"]
+    http.close()
+    assert causes.get("shutdown", 0) >= 1 and causes.get("failure", 0) == 0, causes
 
 
 def test_a_resend_cancels_the_attempt_it_abandons():

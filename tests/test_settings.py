@@ -83,3 +83,16 @@ def test_the_node_download_step_is_skipped_only_for_a_local_model(model_path, sk
     assert type(callback).__name__ == "LocalModelCallback"
     asyncio.run(callback.run_callback("on_before_node_init"))
     assert callback.ctx.run_init_node is (not skipped)
+
+
+def test_a_replaced_ingress_relays_its_streams_as_long_as_a_request_may_run():
+    """Serve gives a replica it stops `graceful_shutdown_timeout_s` (20 s by
+    default) to finish its requests; the ingress, which relays every stream,
+    gets as long as the guard lets a request run (the live redeploy is in
+    tests/test_failover.py)."""
+    from tokenflow.serve.app import INGRESS_DRAIN_UNBOUNDED_S, ingress_deployment_config
+
+    args = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["applications"][0]["args"]
+    assert ingress_deployment_config(resolve_args(args))["graceful_shutdown_timeout_s"] == 3600
+    unbounded = resolve_args({**args, "admission": {**args["admission"], "request_timeout_s": None}})
+    assert ingress_deployment_config(unbounded)["graceful_shutdown_timeout_s"] == INGRESS_DRAIN_UNBOUNDED_S

@@ -88,6 +88,30 @@ def build_llm_config(args: dict | None):
     return LLMConfig(**kwargs), a
 
 
+# How long a replaced ingress relays its streams when requests have no time
+# limit (admission.request_timeout_s null): a day.
+INGRESS_DRAIN_UNBOUNDED_S = 86400.0
+
+
+def ingress_deployment_config(a: dict) -> dict:
+    """The ingress deployment's options from the resolved args."""
+    from tokenflow.serve import guard
+
+    # An ingress that Serve replaces (a redeploy that changes the args) keeps
+    # relaying its streams until they end, for as long as the guard lets any
+    # request run, instead of cutting them after Serve's default 20 s; it
+    # takes no new requests meanwhile and exits when its last stream ends.
+    drain_s = a["admission"]["request_timeout_s"] or INGRESS_DRAIN_UNBOUNDED_S
+    config = {"num_replicas": a["ingress_replicas"], "graceful_shutdown_timeout_s": drain_s}
+    if a["ingress_num_cpus"] is not None:
+        config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
+    # API keys given in the app's `env` guard the ingress, which reads them.
+    keys_env = {k: str(v) for k, v in a["env"].items() if k in (guard.KEYS_ENV, guard.KEYS_FILE_ENV)}
+    if keys_env:
+        config.setdefault("ray_actor_options", {})["runtime_env"] = {"env_vars": keys_env}
+    return config
+
+
 def build_app(args: dict | None = None):
     """Application builder for `serve run tokenflow.serve.app:build_app` / YAML.
 
@@ -116,13 +140,7 @@ def build_app(args: dict | None = None):
     engines = build_llm_deployment(
         llm_config, bind_kwargs={"tokenflow_cluster": {"router": a["router"], "kv_pool": a["kv_pool"]}})
 
-    ingress_config = {"num_replicas": a["ingress_replicas"]}
-    if a["ingress_num_cpus"] is not None:
-        ingress_config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
-    # API keys given in the app's `env` guard the ingress, which reads them.
-    keys_env = {k: str(v) for k, v in a["env"].items() if k in (guard.KEYS_ENV, guard.KEYS_FILE_ENV)}
-    if keys_env:
-        ingress_config.setdefault("ray_actor_options", {})["runtime_env"] = {"env_vars": keys_env}
+    ingress_config = ingress_deployment_config(a)
     options = maybe_apply_llm_deployment_config_defaults(
         TokenFlowIngress.get_deployment_options([llm_config]), ingress_config)
     fastapi_app = init_fastapi()
