@@ -440,6 +440,82 @@ HTTP_PORT = 8123
 # reaches the ingress (tests/test_guard.py); every request but /health sends one.
 KEY = "tf-cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ROUTING_ACTORS_LIFE = r"""
+import json, time
+import ray
+from tokenflow.serve.routing import board, relay
+from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
+
+def named(prefix):
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                  if e.get("namespace") == board.NAMESPACE and e["name"].startswith(prefix))
+
+def gone(name, within=30.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if name not in named(name):
+            return True
+        time.sleep(0.2)
+    return False
+
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+node = ray.get_runtime_context().get_node_id()
+old, new = RoutingSettings(), RoutingSettings.from_dict({"head_size": 8})
+state = EngineState(engine_id="e1", sent_at=time.time()).to_dict()
+out = {}
+# The same settings find the same board; other settings (a redeploy that
+# changed the router block) get a board of their own.
+a, again, b = board.get_board("app", 0, old), board.get_board("app", 0, old), board.get_board("app", 0, new)
+ray.get([a.push.remote(state), b.push.remote(state)], timeout=60)
+out["boards"] = named(board.board_prefix("app"))
+out["pushes"] = [ray.get(h.stats.remote(), timeout=60)["pushes"] for h in (a, again, b)]
+out["board_names"] = [board.board_name("app", 0, old), board.board_name("app", 0, new)]
+r1, r2 = relay.get_relay("app", node, old), relay.get_relay("app", node, new)
+ray.get([r1.push.remote(state), r2.push.remote(state)], timeout=60)
+out["relays"] = named(relay.relay_prefix("app"))
+out["relay_names"] = [relay.relay_name("app", node, old), relay.relay_name("app", node, new)]
+time.sleep(1.0)  # the relays have forwarded to their boards
+relays_killed = relay.kill_relays("app")  # first: a relay would create its board again
+out["killed"] = [board.kill_app_actors("app"), relays_killed]
+out["left"] = named("tokenflow-")
+# Left behind (no engine pushes any more), a board and a relay remove themselves.
+name = board.board_name("idle", 0, old)
+idle = board.StateBoardActor.options(name=name, namespace=board.NAMESPACE, lifetime="detached").remote(
+    forget_after_s=1.0)
+ray.get(idle.push.remote(state), timeout=60)
+rname = relay.relay_name("idle", node, old)
+idle_relay = relay.RelayActorRemote.options(name=rname, namespace=board.NAMESPACE, lifetime="detached").remote(
+    "idle", node, old.to_dict(), idle_exit_s=1.0)
+ray.get(idle_relay.push.remote(state), timeout=60)
+out["idle_gone"] = [gone(name), gone(rname)]
+board.kill_app_actors("idle")  # the board the relay forwarded to (default settings: a minute)
+ray.shutdown()
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_boards_and_relays_are_per_router_settings_and_leave_when_unused():
+    """Real Ray: the state boards and node relays are named by app and a
+    digest of the router settings, so a redeploy that changes the router
+    block gets its own instead of the first settings' ones;
+    kill_app_actors/kill_relays remove those of any settings; a board or a
+    relay no engine pushes to any more removes itself."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", ROUTING_ACTORS_LIFE], capture_output=True, text=True, timeout=300)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, (r.stdout[-2000:], r.stderr[-3000:])
+    out = json.loads(line[0][len("RESULT "):])
+    old_board, new_board = out["board_names"]
+    assert old_board != new_board and out["boards"] == sorted([old_board, new_board])
+    assert out["pushes"] == [1, 1, 1]  # `again` is the first board: one push each
+    assert out["relays"] == sorted(out["relay_names"]) and len(set(out["relay_names"])) == 2
+    assert out["killed"] == [True, 2] and out["left"] == [], out
+    assert out["idle_gone"] == [True, True], out
+
+
 APP = "tfcluster"
 NODE_RESOURCES = ("tf_node_a", "tf_node_b")  # a name per node; "tf_engine_slot" pins engines
 
@@ -536,7 +612,7 @@ def cluster_app():
         try:
             if ray.is_initialized():
                 serve.shutdown()
-                kill_app_actors(APP, shards=2)
+                kill_app_actors(APP)
                 kill_relays(APP)
                 kill_node_pools()
         finally:
@@ -580,10 +656,12 @@ def test_two_nodes_one_engine_each_burst_and_state(cluster_app):
     assert len(engines) == 2
     assert sorted(e["node_id"] for e in engines.values()) == sorted(cluster_app["nodes"])
     # Their states came through one relay per engine node, running on that node.
+    from tokenflow.serve.routing.ranking import RoutingSettings
     from tokenflow.serve.routing.relay import relay_name
 
     for node in cluster_app["nodes"]:
-        relay = ray.get_actor(relay_name(APP, node), namespace="tokenflow")
+        relay = ray.get_actor(relay_name(APP, node, RoutingSettings.from_dict(before["settings"])),
+                              namespace="tokenflow")
         st = ray.get(relay.stats.remote(), timeout=30)
         assert st["messages"] > 0 and st["states"] >= st["messages"] and st["running_on"] == node, st
     assert len(before["state_boards"]) == 2

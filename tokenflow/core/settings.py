@@ -9,6 +9,8 @@ Unknown keys are an error, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -45,6 +47,13 @@ class Settings(BaseModel):
 
     def to_dict(self) -> dict:
         return self.model_dump()
+
+    def fingerprint(self) -> str:
+        """A digest of these settings. The actors an app's engines share (a
+        node's KV pool, the state boards, the node relays) are named with
+        it, so a redeploy with other settings gets actors of its own instead
+        of finding those of the old settings."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def explain(cls: type[Settings], e: ValidationError) -> str:

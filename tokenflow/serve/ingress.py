@@ -232,8 +232,9 @@ class TokenFlowIngress(OpenAiIngress):
             pools = await kv_pool.pool_stats()
         except Exception as e:
             pools = {"error": repr(e)}
-        return {"app": app, "state_board": board.board_name(app),
-                "state_boards": [board.board_name(app, i) for i in range(self._tf_settings.board_shards)],
+        s = self._tf_settings
+        return {"app": app, "state_board": board.board_name(app, 0, s),
+                "state_boards": [board.board_name(app, i, s) for i in range(s.board_shards)],
                 "settings": self._tf_settings.to_dict(),
                 "engines": table.view()["engines"],
                 "routers": {k: t.view() for k, t in list(board.LOCAL_ROUTERS.items())},

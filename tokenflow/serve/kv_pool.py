@@ -31,8 +31,6 @@ that while the node holds more than its pool.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -75,10 +73,6 @@ class KVPoolSettings(Settings):
     engine_ttl_s: Positive = Field(30.0, description="An engine silent this long (s) gives its share back.")
     idle_exit_s: Positive = Field(60.0, description="A pool no engine has used (held a slot or reported) for this "
                                                     "long (s) removes itself and frees its memory.")
-
-    def fingerprint(self) -> str:
-        """A digest of these settings: a pool serves engines of the same settings only."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
 
     def node_bytes(self) -> int:
         return self.size_bytes if self.size_bytes is not None else int(node_ram_bytes() * self.ram_fraction)

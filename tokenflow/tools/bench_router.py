@@ -367,7 +367,7 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     fls = ray.get(fleet_refs)
     for a in fleet_actors + ingress_actors:
         ray.kill(a)
-    board.kill_app_actors(app, shards)
+    board.kill_app_actors(app)
 
     pushes = sum(a["pushes"] - b["pushes"] for a, b in zip(after, before)) / seconds
     messages = sum(a["messages"] - b["messages"] for a, b in zip(after, before)) / seconds

@@ -7,10 +7,12 @@ locally (tokenflow/serve/routing/ranking.py), so no request ever waits on this a
 state reaches the routers within a transit time of its push, not a refresh
 interval later.
 
-The actor is detached and named after the app, so the first engine or
-ingress that asks creates it (get_if_exists) and every other one finds it.
-`serve.shutdown()` does not remove it: `kill_app_actors()` does (a cluster
-that `serve run` started goes away with it anyway).
+The actor is detached and named after the app and a digest of its router
+settings, so the first engine or ingress that asks creates it
+(get_if_exists) and every other one of the same settings finds it.
+`serve.shutdown()` does not remove it: it removes itself once no engine
+has pushed for a minute, or `kill_app_actors()` does (a cluster that
+`serve run` started goes away with it anyway).
 
 At scale (docs/SCALING.md) two things keep it bounded: an app may split
 its engines among `board_shards` boards (by a hash of the engine's id, or
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import threading
 import time
 import zlib
 
@@ -50,9 +53,31 @@ LOCAL_ROUTERS: dict = {}
 DISPLAY_ONLY = ("scheduler", "replica", "pid", "node_id")
 
 
-def board_name(app_name: str, shard: int = 0) -> str:
-    base = f"tokenflow-board:{app_name or 'default'}"
+def board_prefix(app_name: str) -> str:
+    return f"tokenflow-board:{app_name or 'default'}@"
+
+
+def board_name(app_name: str, shard: int = 0, settings: RoutingSettings | None = None) -> str:
+    """Named by the app and a digest of its router settings: a redeploy that
+    changes them gets boards of its own (the old ones remove themselves
+    once their engines are gone)."""
+    base = board_prefix(app_name) + (settings or RoutingSettings()).fingerprint()
     return base if shard == 0 else f"{base}#{shard}"
+
+
+def exit_when_idle(period_s: float) -> None:
+    """Start a thread that asks the actor it runs in, every `period_s`,
+    whether it is idle (`exit_if_idle`, which ends it if so). The check is
+    an actor call, so it runs on the actor's loop between the others."""
+    def watch() -> None:
+        me = ray.get_runtime_context().current_actor
+        while True:
+            time.sleep(period_s)
+            try:
+                ray.get(me.exit_if_idle.remote())
+            except Exception:
+                return  # exiting
+    threading.Thread(target=watch, daemon=True, name="tokenflow-idle").start()
 
 
 def shard_of(engine_id: str, shards: int) -> int:
@@ -77,6 +102,7 @@ class StateBoard:
         self._received: dict[str, float] = {}
         self.pushes = 0  # engine states taken (the long polls' version)
         self.messages = 0  # push and push_many calls
+        self.pushed_at = time.monotonic()  # the last push or push_many (or the start)
         self._changed = asyncio.Event()  # set on every push; long polls wait on it
 
     # Every method is async, so all run on the actor's one event loop (the
@@ -88,6 +114,7 @@ class StateBoard:
         self._take(state)
         self.messages += 1
         self._changed.set()
+        self.pushed_at = time.monotonic()
 
     @ray.method(enable_task_events=False)
     async def push_many(self, states: list[dict]) -> None:
@@ -96,6 +123,7 @@ class StateBoard:
             self._take(state)
         self.messages += 1
         self._changed.set()
+        self.pushed_at = time.monotonic()
 
     def _take(self, state: dict) -> None:
         eid = state["engine_id"]
@@ -175,26 +203,50 @@ class StateBoard:
                 "cpu_s": time.process_time()}
 
 
-StateBoardActor = ray.remote(num_cpus=0, max_restarts=-1)(StateBoard)
+class DetachedBoard(StateBoard):
+    """The board as a detached actor. Once no engine has pushed to it for
+    `forget_after_s` (when it would have forgotten them all), it removes
+    itself: the engines of a live app push at least every stale_after_s / 4,
+    so only a board left behind (its app deleted, or redeployed with other
+    router settings) goes; one asked for again is created again."""
+
+    def __init__(self, forget_after_s: float = 60.0, settings: dict | None = None):
+        super().__init__(forget_after_s, settings)
+        exit_when_idle(min(5.0, forget_after_s / 4))
+
+    async def exit_if_idle(self) -> None:
+        if time.monotonic() - self.pushed_at >= self._forget_after_s:
+            logger.info(f"TokenFlow state board: no push for {self._forget_after_s:g} s; removing it")
+            ray.actor.exit_actor()  # an intended exit: not restarted
+
+
+StateBoardActor = ray.remote(num_cpus=0, max_restarts=-1)(DetachedBoard)
 
 
 def get_board(app_name: str, shard: int = 0, settings: RoutingSettings | None = None):
-    """Handle to one of the app's state boards, created on first use (with
-    the settings of whoever asks first: the app's router block)."""
-    return StateBoardActor.options(name=board_name(app_name, shard), namespace=NAMESPACE,
+    """Handle to one of the app's state boards for these router settings,
+    created on first use."""
+    return StateBoardActor.options(name=board_name(app_name, shard, settings), namespace=NAMESPACE,
                                    get_if_exists=True, lifetime="detached").remote(
         settings=settings.to_dict() if settings is not None else None)
 
 
-def kill_app_actors(app_name: str, shards: int = 1) -> bool:
-    killed = False
-    for shard in range(shards):
-        try:
-            ray.kill(ray.get_actor(board_name(app_name, shard), namespace=NAMESPACE), no_restart=True)
-            killed = True
-        except ValueError:
-            pass
+def kill_named(prefix: str) -> int:
+    """Kill every actor of TokenFlow's namespace whose name starts with `prefix`."""
+    killed = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and entry.get("name", "").startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:
+                pass
     return killed
+
+
+def kill_app_actors(app_name: str) -> bool:
+    """Remove the app's state boards, of any router settings."""
+    return kill_named(board_prefix(app_name)) > 0
 
 
 async def follow(app_name: str, shard: int, settings: RoutingSettings, on_snapshot, get=get_board) -> None:

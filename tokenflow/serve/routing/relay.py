@@ -9,9 +9,11 @@ never two in flight to one board. A node's engines thus cost a board one
 message per interval however many they are, a state waits at most that
 interval, and when a board is slow the messages grow instead of its queue.
 
-Like the boards, relays are detached named actors (one per app and node,
-created by the first engine there): they go with the Ray cluster, or with
-`kill_relays(app)`; a redeploy finds and reuses them.
+Like the boards, relays are detached named actors (one per app, router
+settings and node, created by the first engine there): a redeploy with the
+same settings finds and reuses them; they go with the Ray cluster, with
+`kill_relays(app)`, or by themselves once no engine has pushed for a
+minute.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Awaitable, Callable
 
 import ray
 
-from tokenflow.serve.routing.board import NAMESPACE, get_board, shard_of
+from tokenflow.serve.routing.board import NAMESPACE, exit_when_idle, get_board, kill_named, shard_of
 from tokenflow.serve.routing.ranking import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
@@ -76,12 +78,22 @@ class Relay:
 class RelayActor:
     """A node's relay as a Ray actor, forwarding to the app's boards."""
 
-    def __init__(self, app_name: str, node_id: str, settings: dict):
+    def __init__(self, app_name: str, node_id: str, settings: dict, idle_exit_s: float = 60.0):
         self._app = app_name
         self._settings = RoutingSettings.from_dict(settings)
         self._boards: dict[int, object] = {}
         self._shard = shard_of(node_id, self._settings.board_shards)
         self._relay = Relay(self._shard, self._send, self._settings.relay_interval_s)
+        # Like a board, it removes itself once no engine has pushed for a
+        # while (its app deleted, or redeployed with other router settings).
+        self._idle_exit_s = idle_exit_s
+        self._pushed_at = time.monotonic()
+        exit_when_idle(min(5.0, idle_exit_s / 4))
+
+    async def exit_if_idle(self) -> None:
+        if time.monotonic() - self._pushed_at >= self._idle_exit_s:
+            logger.info(f"TokenFlow relay: no push for {self._idle_exit_s:g} s; removing it")
+            ray.actor.exit_actor()  # an intended exit: not restarted
 
     async def _board(self, shard: int):
         if shard not in self._boards:
@@ -99,6 +111,7 @@ class RelayActor:
     @ray.method(enable_task_events=False)
     async def push(self, state: dict) -> None:
         self._relay.push(state)
+        self._pushed_at = time.monotonic()
 
     async def forget(self, engine_id: str) -> None:
         self._relay.discard(engine_id)
@@ -113,8 +126,13 @@ class RelayActor:
 RelayActorRemote = ray.remote(num_cpus=0, max_restarts=-1)(RelayActor)
 
 
-def relay_name(app_name: str, node_id: str) -> str:
-    return f"tokenflow-relay:{app_name or 'default'}:{node_id}"
+def relay_prefix(app_name: str) -> str:
+    return f"tokenflow-relay:{app_name or 'default'}@"
+
+
+def relay_name(app_name: str, node_id: str, settings: RoutingSettings) -> str:
+    """Named by app, router settings (a digest, as the boards) and node."""
+    return f"{relay_prefix(app_name)}{settings.fingerprint()}:{node_id}"
 
 
 def get_relay(app_name: str, node_id: str, settings: RoutingSettings):
@@ -122,19 +140,11 @@ def get_relay(app_name: str, node_id: str, settings: RoutingSettings):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return RelayActorRemote.options(
-        name=relay_name(app_name, node_id), namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        name=relay_name(app_name, node_id, settings), namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached", scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(app_name, node_id, settings.to_dict())
 
 
 def kill_relays(app_name: str) -> int:
-    prefix = relay_name(app_name, "")
-    killed = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == NAMESPACE and entry.get("name", "").startswith(prefix):
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                killed += 1
-            except ValueError:
-                pass
-    return killed
+    """Remove the app's relays, of any router settings, on every node."""
+    return kill_named(relay_prefix(app_name))
