@@ -500,15 +500,22 @@ version of the whole app: Serve replaces every replica, the ingress's too.
 Test (tests/test_failover.py::test_a_redeploy_that_changes_the_args_cuts_no_stream,
 live app, run right after the scale-down, so from one engine): three
 pairs of a stream and a whole request of 500 tokens, then the config with
-`admission.request_timeout_s` halved, through Serve's REST API; then one
-more pair every 1.5 s until two engines of the new version run, every
-fourth pair a chat. Every stream completes with the greedy answer's text,
-one id, the answer's `usage` and `[DONE]`; no engine and no ingress
-replica of the old version is left; the new ingress counts the streams
-the last old engine handed over (`shutdown` at least 1, `failure` 0).
-Measured (this VM, 2026-12-02 09:27 UTC): 65 pairs over a rollout of
-115 s; readers waited 0-1.23 s on an empty buffer, 1.79 s in all over 65
-streams. The test does not show a stream outliving Serve's 20 s default
+`admission.request_timeout_s` halved and `router.horizon_s` changed,
+through Serve's REST API; then one more pair every 1.5 s until two
+engines of the new version run, every fourth pair a chat. Every stream
+completes with the greedy answer's text, one id, the answer's `usage` and
+`[DONE]`; no engine and no ingress replica of the old version is left;
+the new ingress counts the streams the last old engine handed over
+(`shutdown` at least 1, `failure` 0); the new version routes through a
+state board of its own router settings (the old one removes itself once
+no engine pushes to it: tokenflow/serve/routing/board.py). During the
+rollout the old ingress's router knows only the old engines (its board's)
+and sends continuations to those still running, then, once none is left
+on its board, by Serve's default choice to the new ones. Measured (this
+VM, 2026-12-02): 70 pairs over a rollout of 120 s, readers waited at most
+0.12 s on an empty buffer, 0.32 s in all (10:09 UTC); with only the
+request timeout changed, 65 pairs over 115 s, at most 1.23 s, 1.79 s in
+all (09:27 UTC). The test does not show a stream outliving Serve's 20 s default
 through the draining ingress: the streams the old ingress held ended
 sooner than that. Run once with the ingress's timeout set back to 20 s,
 it passed as well (70 pairs, 125 s), so it does not guard that setting;

@@ -656,8 +656,9 @@ REDEPLOY_PAIR_GAP_S, REDEPLOY_TOKENS = 1.5, 500
 
 @pytest.mark.slow
 def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
-    """An operator deploys the app's config with an argument changed
-    (admission.request_timeout_s) while streams run. A new config version
+    """An operator deploys the app's config with arguments changed
+    (admission.request_timeout_s, and router.horizon_s, so the new version
+    routes through state boards of its own) while streams run. A new config version
     replaces every replica: Serve stops the ingress (it drains: it relays
     its streams to their end) and rolls the engines one at a time, each
     stopped engine handing its streams to a running one. Pairs of a stream
@@ -677,7 +678,9 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
         changed = yaml.safe_load(f)
     args = changed["applications"][0]["args"]
     args["admission"]["request_timeout_s"] = args["admission"]["request_timeout_s"] / 2
+    args["router"]["horizon_s"] = args["router"]["horizon_s"] + 2  # other router settings: other boards
     old_ingress = set(_serve_replicas("TokenFlowIngress"))
+    old_board = _engines(base)["state_board"]
     http = _burst_client(base)
     pool = ThreadPoolExecutor(64)
     streams, wholes, chats = [], [], []
@@ -724,9 +727,14 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
         time.sleep(1.0)
     now = _serve_replicas("TokenFlowIngress")
     assert not old_ingress & set(now) and list(now.values()) == ["RUNNING"], (old_ingress, now)
-    causes = _engines(base, http)["replicas_lost_by_cause"]
+    view = _engines(base, http)
     http.close()
+    causes = view["replicas_lost_by_cause"]
     assert causes.get("shutdown", 0) >= 1 and causes.get("failure", 0) == 0, causes
+    # The new version's engines and ingress share a state board of their
+    # router settings; the old one is left to remove itself.
+    assert view["state_board"] != old_board and view["settings"]["horizon_s"] == args["router"]["horizon_s"], view
+    assert len([e for e in view["engines"] if e["fresh"]]) == 2, view["engines"]
 
 
 def test_a_resend_cancels_the_attempt_it_abandons():
