@@ -55,6 +55,8 @@ def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
         assert cpu["proxy"] > 0 and cpu["ingress"] > 0 and cpu["replica"] > 0 and cpu["engine_core"] > 0, row
         if row["app"] == "stock":
             assert cpu["router"] == 0 and cpu["pool"] == 0  # stock has neither actor
+        else:
+            assert cpu["router"] > 0, row  # our state board was found and booked as ours
     print("\n" + r.stdout[-2500:])
     ratio = summary["ratios"]["median"]["own_cpu_per_token"]
     assert ratio <= MAX_OWN_CPU_RATIO, summary["ratios"]

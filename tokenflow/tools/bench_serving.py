@@ -38,6 +38,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from tokenflow.serve.routing.board import DetachedBoard
+from tokenflow.serve.routing.relay import RelayActor
 from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
 from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths
@@ -160,8 +162,8 @@ def roles(session: int, our_app: str) -> list[Proc]:
             app, role = None, "proxy"
         elif cmd.startswith("ray::ServeController"):
             app, role = None, "controller"
-        elif cmd.startswith("ray::StateBoard"):
-            app, role = our_app, "router"
+        elif cmd.startswith((f"ray::{DetachedBoard.__name__}", f"ray::{RelayActor.__name__}")):
+            app, role = our_app, "router"  # the state board (and node relays, when on)
         elif cmd.startswith("ray::KVPoolActor"):
             app, role = our_app, "pool"
         else:
