@@ -488,6 +488,16 @@ idle_relay = relay.RelayActorRemote.options(name=rname, namespace=board.NAMESPAC
     "idle", node, old.to_dict(), idle_exit_s=1.0)
 ray.get(idle_relay.push.remote(state), timeout=60)
 out["idle_gone"] = [gone(name), gone(rname)]
+# A board no engine pushes to but an ingress follows (board_shards above
+# the engines' nodes) is in use: it stays.
+fname = board.board_name("followed", 0, old)
+followed = board.StateBoardActor.options(name=fname, namespace=board.NAMESPACE, lifetime="detached").remote(
+    forget_after_s=1.0)
+seen = -1
+for _ in range(12):  # 3 s of long polls, as an ingress's follow loop makes them
+    seen, _ = ray.get(followed.wait_snapshot.remote(seen, 0.25), timeout=60)
+out["followed_stays"] = fname in named(fname)
+out["followed_gone_after"] = gone(fname)  # and goes once nobody polls it
 board.kill_app_actors("idle")  # the board the relay forwarded to (default settings: a minute)
 ray.shutdown()
 print("RESULT " + json.dumps(out))
@@ -500,7 +510,8 @@ def test_boards_and_relays_are_per_router_settings_and_leave_when_unused():
     digest of the router settings, so a redeploy that changes the router
     block gets its own instead of the first settings' ones;
     kill_app_actors/kill_relays remove those of any settings; a board or a
-    relay no engine pushes to any more removes itself."""
+    relay no engine pushes to any more removes itself, but not a board an
+    ingress still follows."""
     import subprocess
     import sys
 
@@ -514,6 +525,7 @@ def test_boards_and_relays_are_per_router_settings_and_leave_when_unused():
     assert out["relays"] == sorted(out["relay_names"]) and len(set(out["relay_names"])) == 2
     assert out["killed"] == [True, 2] and out["left"] == [], out
     assert out["idle_gone"] == [True, True], out
+    assert out["followed_stays"] and out["followed_gone_after"], out
 
 
 APP = "tfcluster"

@@ -11,7 +11,8 @@ The actor is detached and named after the app and a digest of its router
 settings, so the first engine or ingress that asks creates it
 (get_if_exists) and every other one of the same settings finds it.
 `serve.shutdown()` does not remove it: it removes itself once no engine
-has pushed for a minute, or `kill_app_actors()` does (a cluster that
+has pushed to it and no ingress polled it for a minute, or
+`kill_app_actors()` does (a cluster that
 `serve run` started goes away with it anyway).
 
 At scale (docs/SCALING.md) two things keep it bounded: an app may split
@@ -102,7 +103,7 @@ class StateBoard:
         self._received: dict[str, float] = {}
         self.pushes = 0  # engine states taken (the long polls' version)
         self.messages = 0  # push and push_many calls
-        self.pushed_at = time.monotonic()  # the last push or push_many (or the start)
+        self.used_at = time.monotonic()  # the last push, push_many or long poll (or the start)
         self._changed = asyncio.Event()  # set on every push; long polls wait on it
 
     # Every method is async, so all run on the actor's one event loop (the
@@ -114,7 +115,7 @@ class StateBoard:
         self._take(state)
         self.messages += 1
         self._changed.set()
-        self.pushed_at = time.monotonic()
+        self.used_at = time.monotonic()
 
     @ray.method(enable_task_events=False)
     async def push_many(self, states: list[dict]) -> None:
@@ -123,7 +124,7 @@ class StateBoard:
             self._take(state)
         self.messages += 1
         self._changed.set()
-        self.pushed_at = time.monotonic()
+        self.used_at = time.monotonic()
 
     def _take(self, state: dict) -> None:
         eid = state["engine_id"]
@@ -188,6 +189,7 @@ class StateBoard:
     async def wait_snapshot(self, after: int, timeout_s: float = 1.0) -> tuple[int, dict]:
         """(push count, head) as soon as there has been a push past `after`,
         or after timeout_s (then possibly unchanged: ages still advance)."""
+        self.used_at = time.monotonic()
         if self.pushes <= after:
             self._changed.clear()
             try:
@@ -204,19 +206,21 @@ class StateBoard:
 
 
 class DetachedBoard(StateBoard):
-    """The board as a detached actor. Once no engine has pushed to it for
-    `forget_after_s` (when it would have forgotten them all), it removes
-    itself: the engines of a live app push at least every stale_after_s / 4,
-    so only a board left behind (its app deleted, or redeployed with other
-    router settings) goes; one asked for again is created again."""
+    """The board as a detached actor. Once no engine has pushed to it and
+    no ingress has polled it for `forget_after_s`, it removes itself. The
+    engines of a live app push at least every stale_after_s / 4 and its
+    ingresses poll every board of the app, one no engine pushes to
+    included (board_shards above the engines' nodes), so only a board left
+    behind (its app deleted, or redeployed with other router settings)
+    goes; one asked for again is created again."""
 
     def __init__(self, forget_after_s: float = 60.0, settings: dict | None = None):
         super().__init__(forget_after_s, settings)
         exit_when_idle(min(5.0, forget_after_s / 4))
 
     async def exit_if_idle(self) -> None:
-        if time.monotonic() - self.pushed_at >= self._forget_after_s:
-            logger.info(f"TokenFlow state board: no push for {self._forget_after_s:g} s; removing it")
+        if time.monotonic() - self.used_at >= self._forget_after_s:
+            logger.info(f"TokenFlow state board: no push or poll for {self._forget_after_s:g} s; removing it")
             ray.actor.exit_actor()  # an intended exit: not restarted
 
 
