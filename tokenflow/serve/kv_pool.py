@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from pydantic import Field
 
 from tokenflow.core.settings import Amount, Count, Positive, Settings
 from tokenflow.kv_offload import host_shm
+from tokenflow.serve.idle import exit_when_idle
 
 NAMESPACE = "tokenflow"
 NAME_PREFIX = "tokenflow-kv-pool:"
@@ -217,18 +217,7 @@ class KVPoolActor:
         self.pool = PoolAccounting(total, s.engine_ttl_s, engines_per_node=s.engines_per_node)
         self.idle_exit_s = s.idle_exit_s
         self._used_at = time.monotonic()
-        threading.Thread(target=self._watch_idle, daemon=True, name="kv-pool-idle").start()
-
-    def _watch_idle(self) -> None:
-        # The check runs as an actor call, so it is serialized with the
-        # engines' calls and never races them over the tables.
-        me = ray.get_runtime_context().current_actor
-        while True:
-            time.sleep(min(5.0, self.idle_exit_s / 4))
-            try:
-                ray.get(me.exit_if_idle.remote())
-            except Exception:
-                return  # exiting
+        exit_when_idle(min(5.0, self.idle_exit_s / 4))
 
     def in_use(self) -> bool:
         """An engine holds a slot (its process lives, or maps its bytes) or reports."""

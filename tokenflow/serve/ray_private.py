@@ -12,10 +12,11 @@ from ray.llm._internal.common.callbacks.base import CallbackBase  # noqa: F401
 
 # The ingress's own FastAPI app (`init`, with Ray's exception middleware) and
 # its route table: TokenFlow adds routes and its guard to that app, which
-# `build_openai_app` builds out of reach. What `build_openai_app` does with
-# the ingress's options and model cards, repeated by tokenflow/serve/app.py,
-# which builds the same graph itself. The error body of an ErrorResponse (the
-# public ErrorResponse needs one).
+# `build_openai_app` builds out of reach (`init_fastapi`, `DEFAULT_ENDPOINTS`
+# below). What `build_openai_app` does with the ingress's options and model
+# cards (this, and `to_model_metadata` below), repeated by
+# tokenflow/serve/app.py, which builds the same graph itself. `ErrorInfo`
+# below: the error body of an ErrorResponse (the public one needs it).
 from ray.llm._internal.common.dict_utils import (
     maybe_apply_llm_deployment_config_defaults,  # noqa: F401
 )

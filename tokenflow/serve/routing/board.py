@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import threading
 import time
 import zlib
 
 import ray
 
+from tokenflow.serve.idle import exit_when_idle
 from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, slack
 
 logger = logging.getLogger("ray.serve")
@@ -64,21 +64,6 @@ def board_name(app_name: str, shard: int = 0, settings: RoutingSettings | None =
     once their engines are gone)."""
     base = board_prefix(app_name) + (settings or RoutingSettings()).fingerprint()
     return base if shard == 0 else f"{base}#{shard}"
-
-
-def exit_when_idle(period_s: float) -> None:
-    """Start a thread that asks the actor it runs in, every `period_s`,
-    whether it is idle (`exit_if_idle`, which ends it if so). The check is
-    an actor call, so it runs on the actor's loop between the others."""
-    def watch() -> None:
-        me = ray.get_runtime_context().current_actor
-        while True:
-            time.sleep(period_s)
-            try:
-                ray.get(me.exit_if_idle.remote())
-            except Exception:
-                return  # exiting
-    threading.Thread(target=watch, daemon=True, name="tokenflow-idle").start()
 
 
 def shard_of(engine_id: str, shards: int) -> int:

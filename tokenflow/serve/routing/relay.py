@@ -25,7 +25,8 @@ from typing import Awaitable, Callable
 
 import ray
 
-from tokenflow.serve.routing.board import NAMESPACE, exit_when_idle, get_board, kill_named, shard_of
+from tokenflow.serve.idle import exit_when_idle
+from tokenflow.serve.routing.board import NAMESPACE, get_board, kill_named, shard_of
 from tokenflow.serve.routing.ranking import RoutingSettings
 
 logger = logging.getLogger("ray.serve")
