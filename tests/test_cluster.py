@@ -879,9 +879,11 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     assert comments > 0
     # The engines drop both requests (cancelled, not left to run on): well
     # before the stream, at the speed it had, would have ended by itself.
+    # (A fixed 4 s cap failed once by 0.2 s in a clean-clone suite run: on 2
+    # busy cores the engine's push showing the abort can lag that much.)
     left_s = (8 * 1000 - tokens) / (tokens / stream_s)
     assert tokens > 0 and left_s > 2.0, (tokens, left_s)
-    deadline = time.monotonic() + min(4.0, 0.75 * left_s)
+    deadline = time.monotonic() + 0.75 * left_s
     while not _engines_idle(base):
         assert time.monotonic() < deadline, httpx.get(base + "/v1/tokenflow/engines", headers=AUTH,
                                                       timeout=10).text[:2000]
