@@ -94,6 +94,17 @@ def test_which_streams_can_be_continued():
                                                  stream=True, logprobs=True), "chat")
 
 
+def test_a_stream_may_ask_to_stay_on_its_engine():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "a", "stream": True, "tokenflow_rebalance": False})
+    ledger = Ledger(body, "completions", default_rate=40, max_continuations=3)
+    assert body.vllm_xargs["tokenflow_movable"] == 0  # never moved, yet continued if its engine is lost
+    ledger._note(completion_chunk("cmpl-1", " the", [7], prompt=PROMPT))
+    assert ledger.continuation().vllm_xargs["tokenflow_movable"] == 0
+    moving = completions_body()
+    Ledger(moving, "completions", default_rate=40, max_continuations=0)
+    assert moving.vllm_xargs["tokenflow_movable"] == 0  # no continuation to move it with
+
+
 def test_ids_are_noted_and_hidden_from_a_client_that_did_not_ask():
     body = completions_body(temperature=0, seed=3, vllm_xargs={"consumption_rate": 8})
     ledger = Ledger(body, "completions", default_rate=40, clock=lambda: 10.0)
@@ -127,6 +138,8 @@ def test_a_continuation_asks_for_the_rest_with_the_readers_buffer():
     assert req.vllm_xargs["consumption_rate"] == 8
     assert parse_carried(req.vllm_xargs) == (2.0, 0.25)
     assert ledger.continued == 1
+    # Its engine may move it while a continuation is left (routing/rebalance.py).
+    assert body.vllm_xargs["tokenflow_movable"] == 1 and req.vllm_xargs["tokenflow_movable"] == 1  # 1 of 2 used
     # Nothing left to generate, or no prompt ids seen: nothing to continue.
     ledger._note(completion_chunk("cmpl-1", "x", [1] * 6))
     assert ledger.continuation() is None
@@ -276,7 +289,7 @@ def relayed(first, continuations, max_continuations=2):
     ledger = Ledger(body, "completions", 40, max_continuations)
     lost, asked = [], []
 
-    def continue_after():  # as the ingress's
+    def continue_after(to):  # as the ingress's
         if (req := ledger.continuation()) is None:
             return None
         asked.append(req)

@@ -187,7 +187,7 @@ def test_a_continuation_after_a_shutdown_is_counted_by_its_cause():
 
     async def collect():
         return [x async for x in relay(open_stream, 2, lambda o, c: seen.append((o, c)),
-                                       continue_after=lambda: scripted([sse("b")])[0])]
+                                       continue_after=lambda to: scripted([sse("b")])[0])]
     assert asyncio.run(collect()) == [sse("a"), sse("b")]
     assert seen == [("continued", "shutdown")]
 

@@ -517,18 +517,37 @@ def test_total_tokens_and_json_depth_are_bounded():
     run(scenario())
 
 
-def test_the_continuation_opt_out_must_be_a_boolean():
+def test_the_continuation_and_rebalance_opt_outs_must_be_booleans():
     async def scenario():
         asgi = TokenFlowGuard(make_app(), environ={})
-        for bad in ("no", 0, 1, None, []):
-            body = {"prompt": "a", "max_tokens": 4, "stream": True, "tokenflow_continuation": bad}
-            r = await call(asgi, "POST", "/v1/completions", json=body)
-            assert_openai_error(r, 400, "BadRequestError")
-            assert r.json()["error"]["message"].startswith("tokenflow_continuation must be true or false, got ")
-        for good in (True, False):
-            body = {"prompt": "a", "max_tokens": 4, "stream": True, "tokenflow_continuation": good}
-            assert (await call(asgi, "POST", "/v1/completions", json=body)).status_code == 200
+        for key in ("tokenflow_continuation", "tokenflow_rebalance"):
+            for bad in ("no", 0, 1, None, []):
+                body = {"prompt": "a", "max_tokens": 4, "stream": True, key: bad}
+                r = await call(asgi, "POST", "/v1/completions", json=body)
+                assert_openai_error(r, 400, "BadRequestError")
+                assert r.json()["error"]["message"].startswith(f"{key} must be true or false, got ")
+            for good in (True, False):
+                body = {"prompt": "a", "max_tokens": 4, "stream": True, key: good}
+                assert (await call(asgi, "POST", "/v1/completions", json=body)).status_code == 200
         assert asgi.ongoing == 0
+    run(scenario())
+
+
+def test_pinning_a_request_to_an_engine_needs_the_app_to_allow_it():
+    async def scenario():
+        body = {"prompt": "a", "max_tokens": 4, "tokenflow_engine": "abc123"}
+        closed = TokenFlowGuard(make_app(), environ={})
+        r = await call(closed, "POST", "/v1/completions", json=body)
+        assert_openai_error(r, 400, "BadRequestError")
+        assert r.json()["error"]["message"] == ("tokenflow_engine is not allowed here (the app's "
+                                                "admission.engine_pinning is off)")
+        open_ = TokenFlowGuard(make_app(), admission={"engine_pinning": True}, environ={})
+        for bad in (5, "", ["abc"], "x" * 201):
+            r = await call(open_, "POST", "/v1/chat/completions", json={**body, "tokenflow_engine": bad})
+            assert_openai_error(r, 400, "BadRequestError")
+            assert r.json()["error"]["message"].startswith("tokenflow_engine must be an engine id (a string), got ")
+        assert (await call(open_, "POST", "/v1/completions", json=body)).status_code == 200
+        assert closed.ongoing == open_.ongoing == 0
     run(scenario())
 
 

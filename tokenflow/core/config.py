@@ -71,6 +71,11 @@ RATE_KEY = "consumption_rate"
 # JSON boolean.
 CONTINUATION_KEY = "tokenflow_continuation"
 
+# A top-level body field: the engine id (GET /v1/tokenflow/engines) a request
+# must go to, when the app's admission.engine_pinning allows it (to test one
+# engine, or pile a workload onto one); else 400.
+PIN_KEY = "tokenflow_engine"
+
 # `vllm_xargs` keys of a stream continued from a lost engine
 # (tokenflow/serve/continuation.py): its reader's unread tokens when it was
 # handed over, and the seconds since the client sent it. The scheduler ranks
@@ -80,6 +85,15 @@ CONTINUATION_KEY = "tokenflow_continuation"
 CARRIED_KEY = "tokenflow_carried_tokens"
 WAITED_KEY = "tokenflow_waited_s"
 SENT_KEY = "tokenflow_sent_tokens"
+# A top-level body field: `false` keeps a stream on its engine when that
+# engine moves paused streams to engines with slack (it is still continued
+# if its engine is lost); 400 to anything but a JSON boolean.
+REBALANCE_KEY = "tokenflow_rebalance"
+
+# `vllm_xargs` key the ingress sets (to 1) on a stream it can still continue
+# elsewhere and that did not opt out of moves: only such a stream may be
+# moved off a busy engine.
+MOVABLE_KEY = "tokenflow_movable"
 
 
 def parse_carried(xargs: dict | None) -> tuple[float, float] | None:

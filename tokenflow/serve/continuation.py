@@ -38,7 +38,16 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.core.config import CARRIED_KEY, CONTINUATION_KEY, RATE_KEY, SENT_KEY, WAITED_KEY
+from tokenflow.core.config import (
+    CARRIED_KEY,
+    CONTINUATION_KEY,
+    MOVABLE_KEY,
+    PIN_KEY,
+    RATE_KEY,
+    REBALANCE_KEY,
+    SENT_KEY,
+    WAITED_KEY,
+)
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
 # escaped, so text cannot match; `"token_ids":[` is not inside the other.
@@ -91,6 +100,10 @@ class Ledger:
         # The client asked for the ids itself: leave them in its chunks.
         self.show_ids = bool(getattr(body, "return_token_ids", False))
         body.return_token_ids = True
+        # Whether its engine may move it (routing/rebalance.py): while a
+        # continuation is left, unless the client asked it to stay.
+        self.movable = (getattr(body, "model_extra", None) or {}).get(REBALANCE_KEY) is not False
+        body.vllm_xargs = {**(body.vllm_xargs or {}), MOVABLE_KEY: int(self.movable and max_continuations > 0)}
         self.prompt_ids: list[int] | None = None
         self.stream_id: str | None = None
         self.created: int | None = None
@@ -164,10 +177,11 @@ class Ledger:
                 self.on_splice(now - last, max(0.0, now - last - held))
 
     # --- the continuation ------------------------------------------------
-    def continuation(self):
+    def continuation(self, to: str | None = None):
         """The completions request that finishes this answer, or None when
         it is not to be continued: `max_continuations` opened already, no
-        prompt ids seen, or nothing left to generate."""
+        prompt ids seen, or nothing left to generate. `to`: the engine it
+        must go to (its engine moved it there), while that engine serves."""
         from ray.serve.llm.openai_api_models import CompletionRequest
 
         if self.continued >= self.max_continuations or self.prompt_ids is None or self.stream_id is None:
@@ -188,12 +202,15 @@ class Ledger:
         xargs[CARRIED_KEY] = round(reader.buffer(now), 3)
         xargs[WAITED_KEY] = round(now - self.arrival, 3)
         xargs[SENT_KEY] = len(sent)
+        xargs[MOVABLE_KEY] = int(self.movable and self.continued + 1 < self.max_continuations)
         fields = {k: getattr(body, k) for k in SAMPLING
                   if k in body.model_fields_set and k in CompletionRequest.model_fields}
         if getattr(body, "min_tokens", 0):
             fields["min_tokens"] = max(0, body.min_tokens - len(sent))
         self.continued += 1
         self._base = len(sent)
+        if to:
+            fields[PIN_KEY] = to  # read by the request router (routing/request_router.py)
         return CompletionRequest(model=body.model, prompt=self.prompt_ids + sent, max_tokens=left,
                                  stream=True, stream_options=body.stream_options, return_token_ids=True,
                                  vllm_xargs=xargs, **fields)

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ray import exceptions as ray_exceptions
 
-from tokenflow.serve.sse import count_chunk, sse_events
+from tokenflow.serve.sse import count_chunk, moved_to, sse_events
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +45,7 @@ LOST_MID_STREAM = f"{LOST_MESSAGE} mid-stream; the response is incomplete"
 FAILED_MESSAGE = "the request failed mid-stream; the response is incomplete"
 CORE_DIED = "the engine core of this replica has died"
 STOPPING = "Serve is stopping this replica (a redeploy or a scale-down)"
+MOVED = "this engine is busier than others: the stream moves to one with room"
 
 
 def engine_lost(e: BaseException) -> bool:
@@ -87,9 +88,10 @@ def unavailable_response(message: str):
 
 
 # What became of a request whose replica was lost (counted by the ingress),
-# and why it was lost: the engine failed, or Serve stopped its replica.
+# and why it was lost: the engine failed, Serve stopped its replica, or its
+# engine moved the stream to one with slack (routing/rebalance.py).
 OUTCOMES = ("resent", "continued", "ended_mid_stream", "gave_up")
-CAUSES = ("failure", "shutdown")
+CAUSES = ("failure", "shutdown", "rebalance")
 
 
 def loss_cause(e: BaseException) -> str:
@@ -97,17 +99,25 @@ def loss_cause(e: BaseException) -> str:
     # RayTaskError(EngineLost): an EngineLost too, whose own text is Ray's
     # traceback; the replica's exception is its `cause`.
     lost = getattr(e, "cause", None) or e
-    return "shutdown" if isinstance(lost, EngineLost) and STOPPING in str(lost) else "failure"
+    if isinstance(lost, EngineLost):
+        text = str(lost)
+        if STOPPING in text:
+            return "shutdown"
+        if MOVED in text:
+            return "rebalance"
+    return "failure"
 
 
 async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 on_lost: Callable[[str, str], None] | None = None, resend_after_s: float = 0.0,
                 abandon: Callable[[], Awaitable[None]] | None = None,
-                continue_after: Callable[[], Callable[[], AsyncIterator] | None] | None = None) -> AsyncIterator:
+                continue_after: Callable[[str | None], Callable[[], AsyncIterator] | None] | None = None
+                ) -> AsyncIterator:
     """Yield the items of open_stream(). When the replica is lost before any
     token went out, re-open it (at most `resends` times); after tokens went
-    out, ask continue_after() for a stream that continues the answer on
-    another engine (continuation.py), or None: the stream then ends with the
+    out, ask continue_after(to) for a stream that continues the answer on
+    another engine (continuation.py; `to`: the engine its engine moved it
+    to, else None), or None: the stream then ends with the
     lost-engine error event. Either goes `resend_after_s` later (time for
     the routing to hear of the loss: re-sent at once, a request can go
     straight back to an engine that has just lost its core). on_lost hears
@@ -117,8 +127,14 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
     flowing, resent = False, 0
     while True:
         held: list = []
+        to = None  # where this attempt's engine moved the stream, if it did
         try:
             async for item in open_stream():
+                if (to := moved_to(item)) is not None:
+                    # Its engine handed the stream to engine `to` (routing/rebalance.py).
+                    for x in item[:-1] if isinstance(item, list) else ():
+                        yield x
+                    raise EngineLost(MOVED)
                 if flowing:
                     yield item
                     continue
@@ -139,15 +155,19 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 yield lost_event(FAILED_MESSAGE, "InternalServerError", 500)
                 return
             if flowing:
-                following = continue_after() if continue_after is not None else None
+                following = continue_after(to) if continue_after is not None else None
                 outcome = "ended_mid_stream" if following is None else "continued"
             else:
                 following = open_stream if resent < resends else None
                 outcome = "gave_up" if following is None else "resent"
                 resent += following is not None
+            cause = loss_cause(e)
             if on_lost is not None:
-                on_lost(outcome, loss_cause(e))
-            logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}): {e!r}")
+                on_lost(outcome, cause)
+            if cause == "rebalance":  # routine: the engine chose to move it
+                logger.info(f"TokenFlow ingress: stream moved off a busy engine ({outcome.replace('_', ' ')})")
+            else:
+                logger.warning(f"TokenFlow ingress: engine lost ({outcome.replace('_', ' ')}): {e!r}")
             if outcome == "ended_mid_stream":
                 yield lost_event(LOST_MID_STREAM)
                 return

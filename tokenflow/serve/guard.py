@@ -53,7 +53,7 @@ from typing import Iterable, Optional
 
 from pydantic import Field
 
-from tokenflow.core.config import CONTINUATION_KEY
+from tokenflow.core.config import CONTINUATION_KEY, PIN_KEY, REBALANCE_KEY
 from tokenflow.core.settings import Amount, Count, Positive, Settings
 from tokenflow.serve.failover import lost_event
 
@@ -109,6 +109,11 @@ class AdmissionSettings(Settings):
                                                      "is continued on another engine (tokenflow/serve/"
                                                      "continuation.py); then, or with 0, it ends with an SSE "
                                                      "error event.")
+    engine_pinning: bool = Field(False, description="Honour a request's `tokenflow_engine` (an engine id from "
+                                                    "GET /v1/tokenflow/engines): it goes to that engine while "
+                                                    "that engine serves, else where the router ranks. For "
+                                                    "operators testing one engine and for benches; off, the "
+                                                    "field gets 400.")
 
 
 class KeyFileError(RuntimeError):
@@ -370,11 +375,18 @@ class TokenFlowGuard:
                     f"{count * per_sequence}")
         return None
 
-    @staticmethod
-    def _check_options(doc: Optional[dict]) -> Optional[str]:
+    def _check_options(self, doc: Optional[dict]) -> Optional[str]:
         """TokenFlow's own body fields that nothing downstream validates."""
-        if doc is not None and not isinstance(opt := doc.get(CONTINUATION_KEY, True), bool):
-            return f"{CONTINUATION_KEY} must be true or false, got {json.dumps(opt)}"
+        if doc is None:
+            return None
+        for key in (CONTINUATION_KEY, REBALANCE_KEY):
+            if not isinstance(opt := doc.get(key, True), bool):
+                return f"{key} must be true or false, got {json.dumps(opt)}"
+        if (pin := doc.get(PIN_KEY)) is not None:
+            if not self.settings.engine_pinning:
+                return f"{PIN_KEY} is not allowed here (the app's admission.engine_pinning is off)"
+            if not isinstance(pin, str) or not 0 < len(pin) <= 200:
+                return f"{PIN_KEY} must be an engine id (a string), got {json.dumps(pin)[:80]}"
         return None
 
     @staticmethod

@@ -161,8 +161,8 @@ class TokenFlowIngress(OpenAiIngress):
             gen = call(body, call_method)
             return ledger.watch(gen) if ledger is not None else gen
 
-        def continue_after():
-            request = ledger.continuation() if ledger is not None else None
+        def continue_after(to: str | None):
+            request = ledger.continuation(to) if ledger is not None else None
             return None if request is None else lambda: ledger.splice(call(request, "completions"))
 
         # A lost engine leaves the slack routing within a push and a long

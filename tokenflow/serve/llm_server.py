@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.llm import LLMServer
 from ray.serve.llm.openai_api_models import ErrorResponse
 
-from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
+from tokenflow.core.config import MOVABLE_KEY, RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.sched_state import UTILITY, SchedulerState
 from tokenflow.serve.continuation import end_on_whole_character
 from tokenflow.serve.failover import CORE_DIED, STOPPING, EngineLost, bounce_if_engine_dead
@@ -148,7 +148,8 @@ class TokenFlowLLMServer(LLMServer):
         return tracked(gen, self._tracker, rate=float(xargs[RATE_KEY]),
                        stream=bool(getattr(request, "stream", False)), arrival=arrival,
                        # usage counts every choice; the deltas only choice 0
-                       use_usage=(getattr(request, "n", 1) or 1) == 1, carried=parse_carried(xargs))
+                       use_usage=(getattr(request, "n", 1) or 1) == 1, carried=parse_carried(xargs),
+                       movable=xargs.get(MOVABLE_KEY) == 1)
 
     async def chat(self, request, raw_request_info=None):
         arrival = time.monotonic()

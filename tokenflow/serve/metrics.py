@@ -88,7 +88,8 @@ SPECS = (
     Spec("tokenflow_generated_tokens", "counter",
          "Tokens sent to clients (usage.completion_tokens when the stream carries it)."),
     Spec("tokenflow_requests_finished", "counter",
-         "Requests that ended, by stream (true/false) and status (ok, error, cancelled).",
+         "Requests that ended, by stream (true/false) and status (ok, error, cancelled, moved: handed to another "
+         "engine by a rebalance).",
          tags=ENGINE_TAGS + ("stream", "status")),
     # sampled
     Spec("tokenflow_buffer_seconds", "histogram",
@@ -131,7 +132,8 @@ SPECS = (
     Spec("tokenflow_engine_losses", "counter",
          "Requests whose engine was lost under them, by outcome: resent (no token yet), continued (on another "
          "engine), ended_mid_stream (error event), gave_up (503 after the re-sends); and by cause: failure (the "
-         "replica or its engine died), shutdown (Serve stopped the replica: a redeploy or a scale-down).",
+         "replica or its engine died), shutdown (Serve stopped the replica: a redeploy or a scale-down), rebalance "
+         "(its busy engine moved the stream to one with slack).",
          tags=ROUTER_TAGS + ("outcome", "cause")),
     Spec("tokenflow_continuation_gap_seconds", "histogram",
          "Per continued stream: the time its reader got no token, from the last token before the loss to the "

@@ -16,6 +16,27 @@ import json
 import re
 from typing import Any
 
+# What an engine replica sends last on a stream it hands to another engine
+# (routing/rebalance.py), followed by that engine's id: the ingress
+# continues the stream there on reading it. An SSE comment, so that a
+# client would ignore it; ending the replica's stream normally keeps a
+# routine move out of Serve's error logs and error counts.
+MOVED_EVENT = ": tokenflow moved to "
+
+
+def moved_event(engine_id: str) -> str:
+    return f"{MOVED_EVENT}{engine_id}\n\n"
+
+
+def moved_to(item: Any) -> str | None:
+    """The engine a replica handed its stream to, if `item` says so (alone,
+    or last in a batch); else None."""
+    if isinstance(item, list):
+        item = item[-1] if item else None
+    if isinstance(item, str) and item.startswith(MOVED_EVENT):
+        return item[len(MOVED_EVENT):].strip()
+    return None
+
 # usage.completion_tokens as vLLM writes it (compact JSON), found without
 # parsing the chunk: with per-chunk usage (stream_options.continuous_usage_stats)
 # it is the exact count, and the events need no parsing at all.

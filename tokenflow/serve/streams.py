@@ -7,17 +7,35 @@ request; `EngineTracker.state()` summarises them for the router.
 Tokens are counted from the chunks sent (sse.py): from per-chunk usage
 where the stream carries it (read without parsing the chunk), else from
 its content deltas.
+
+A stream the ingress can continue elsewhere is also *movable*: `move()`
+interrupts it while it waits for its next chunk (a paused reader's stream
+waits seconds), and `tracked()` then closes its engine request and ends
+with sse.moved_event(to), which the ingress answers with a continuation on
+engine `to` (tokenflow/serve/routing/rebalance.py decides which go where).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
 from typing import AsyncGenerator
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.serve.sse import count_chunk, latest_usage
+from tokenflow.serve.sse import count_chunk, latest_usage, moved_event
+
+
+class Movable:
+    """What move() needs of one movable stream, kept by tracked()."""
+
+    __slots__ = ("task", "waiting", "moving")
+
+    def __init__(self):
+        self.task: asyncio.Task | None = None  # the task that awaits the stream's next chunk
+        self.waiting = False  # awaiting it now (so a cancel lands inside the stream)
+        self.moving: str | None = None  # the engine move() handed it to (and cancelled that wait)
 
 
 class EngineTracker:
@@ -34,6 +52,7 @@ class EngineTracker:
         self.sink = sink
         self._streams: dict[int, ReaderBuffer] = {}
         self._unary: set[int] = set()
+        self._movable: dict[int, Movable] = {}
         self._next = 0
         self.received_total = 0
         self._window: deque[tuple[float, int]] = deque()
@@ -77,8 +96,9 @@ class EngineTracker:
         self.tokens_total += n  # exported as a counter by the agent's metrics sample
 
     def close(self, handle: int, now: float, status: str = "ok") -> None:
-        """`status`: ok, error or cancelled (for the finished-requests metric)."""
+        """`status`: ok, error, cancelled or moved (for the finished-requests metric)."""
         reader = self._streams.pop(handle, None)
+        self._movable.pop(handle, None)
         known = reader is not None or handle in self._unary
         self._unary.discard(handle)
         if known:
@@ -87,6 +107,28 @@ class EngineTracker:
     def running_buffers(self, now: float) -> list[float]:
         """Buffered seconds of every stream that has had its first token."""
         return [r.buffer_seconds(now) for r in list(self._streams.values()) if r.first_token_time is not None]
+
+    def idle_movable(self, now: float, quiet_s: float) -> list[tuple[int, ReaderBuffer]]:
+        """Movable streams that have had tokens but none for quiet_s (their
+        engine holds them paused) and wait for their next chunk now."""
+        out = []
+        for handle, m in list(self._movable.items()):
+            reader = self._streams.get(handle)
+            if (reader is not None and m.waiting and not m.moving and reader.arrivals
+                    and now - reader.arrivals[-1] >= quiet_s):
+                out.append((handle, reader))
+        return out
+
+    def move(self, handle: int, to: str) -> bool:
+        """Interrupt a movable stream's wait for its next chunk: its
+        tracked() ends it, handing it to engine `to`. False when it is not
+        waiting."""
+        m = self._movable.get(handle)
+        if m is None or not m.waiting or m.moving or m.task is None or m.task.done():
+            return False
+        m.moving = to
+        m.task.cancel()
+        return True
 
     def decode_tps(self, now: float) -> float:
         while self._window and self._window[0][0] < now - self.window_s:
@@ -126,16 +168,37 @@ class EngineTracker:
 
 async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, stream: bool,
                   arrival: float, use_usage: bool = True,
-                  carried: tuple[float, float] | None = None) -> AsyncGenerator:
+                  carried: tuple[float, float] | None = None, movable: bool = False) -> AsyncGenerator:
     """Yield what `gen` yields, counting its tokens into `tracker`.
 
     The request is opened when iteration starts (Serve starts it at once) and
-    closed in `finally`, so a cancelled or failed stream never stays open."""
+    closed in `finally`, so a cancelled or failed stream never stays open.
+    `movable`: move() may hand it to another engine (module doc)."""
     handle = tracker.open(rate, stream, arrival, carried)
+    m = None
+    if movable and stream:
+        m = tracker._movable[handle] = Movable()
     counted = 0
     status = "cancelled"  # unless it ends normally or fails
     try:
-        async for item in gen:
+        while True:
+            if m is not None:
+                # The task that awaits now is the one to cancel: Serve may
+                # drive a stream from another task than the one that opened it.
+                m.task, m.waiting = asyncio.current_task(), True
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                break
+            except asyncio.CancelledError:
+                if m is None or not m.moving:
+                    raise
+                m.task.uncancel()  # the cancel was ours, and it ends here
+                status = "moved"
+                break
+            finally:
+                if m is not None:
+                    m.waiting = False
             usage = latest_usage(item) if use_usage else None
             if usage is not None:  # exact, and no event needs parsing
                 n = max(0, usage - counted)
@@ -149,7 +212,9 @@ async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, s
             if getattr(item, "error", None) is not None:  # an ErrorResponse object
                 status = "error"
             yield item
-        if status != "error":
+        if status == "moved":
+            yield moved_event(m.moving)
+        elif status != "error":
             status = "ok"
     except Exception:
         status = "error"

@@ -9,6 +9,10 @@ The pushed state is the replica's stream tracker (exact counts and rates;
 buffers from the chunks it sends) plus, when fresh, the scheduler's summary:
 its decode capacity estimate, queue and pause counts, KV blocks; its offload
 counters go to the node's KV pool.
+
+With `router.rebalance`, a third loop moves paused streams to less loaded
+engines with spare rate (rebalance.py); it reads the boards only while
+this engine holds paused streams that may move.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import ray
 
 from tokenflow.core.sched_state import SchedulerState
 from tokenflow.serve import kv_pool
+from tokenflow.serve.routing import rebalance
 from tokenflow.serve.routing.board import get_board, shard_of
 from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
 from tokenflow.serve.routing.relay import get_relay
@@ -62,6 +67,7 @@ class EngineAgent:
         # () -> bool: whether Serve has begun to stop the replica
         self._stopping = stopping or (lambda: False)
         self._left = False  # said so once
+        self._boards: list | None = None  # the app's state boards, read to rebalance
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
@@ -73,6 +79,9 @@ class EngineAgent:
         if self.kv_settings.enabled:
             self._tasks.append(loop.create_task(
                 self._loop("kv pool", self._report, self.kv_settings.report_interval_s)))
+        if self.router_settings.enabled and self.router_settings.rebalance:
+            self._tasks.append(loop.create_task(
+                self._loop("rebalance", self._rebalance, self.router_settings.rebalance_interval_s)))
         if self._scheduler_state is not None:
             self._tasks.append(loop.create_task(
                 self._loop("scheduler poll", self._poll, self.poll_interval_s, give_up_after=10)))
@@ -94,8 +103,9 @@ class EngineAgent:
         # Older than a few polls: the EngineCore is busy or stuck; go without.
         return self.sched if time.monotonic() - self._sched_at < 3 * self.poll_interval_s else None
 
-    def state(self) -> EngineState:
-        self.seq += 1
+    def state(self, count: bool = True) -> EngineState:
+        """This engine's state now; `count`: as a push (its seq advances)."""
+        self.seq += count
         sched = self._fresh_sched()
         # the step rate moves slowly: the last one read serves even when not fresh
         cap = self.sched.step_rate if self.sched is not None else None
@@ -180,6 +190,32 @@ class EngineAgent:
         self._last_content, self._last_push_at = content, now
         self._last_push = self._router.push.remote(state)
 
+    async def _rebalance(self) -> None:
+        """One round of rebalance.py: move paused streams to less loaded
+        engines with room."""
+        if self._stopping() or self._engine_dead():
+            return
+        s = self.router_settings
+        now = self.tracker.clock()
+        idle = [rebalance.Idle(h, r.rate, r.buffer_seconds(now))
+                for h, r in self.tracker.idle_movable(now, rebalance.QUIET_S)]
+        if not idle:
+            return
+        own = self.state(count=False)
+        if self._boards is None:
+            self._boards = [await asyncio.to_thread(get_board, self.app_name, shard, s)
+                            for shard in range(s.board_shards)]
+        peers = []
+        for part in await asyncio.wait_for(asyncio.gather(*(b.wait_snapshot.remote(-1, 0.0) for b in self._boards)),
+                                           timeout=2.0):
+            peers += [EngineState.from_dict(d) for eid, (d, age) in part[1].items()
+                      if eid != self.engine_id and age <= s.stale_after_s]
+        moves = rebalance.plan_moves(own, peers, idle, s)
+        moved = sum(self.tracker.move(h, to) for h, to in moves)
+        if moved:
+            logger.info(f"TokenFlow engine {self.engine_id}: {own.load} requests, {len(idle)} paused and "
+                        f"movable: moved {moved} to engines with room")
+
     async def _report(self) -> None:
         if self._pool is None:
             self._pool = await asyncio.to_thread(kv_pool.get_node_pool, self.node_id, self.kv_settings)
@@ -204,6 +240,8 @@ class EngineAgent:
                 failures += 1
                 if what == "push":
                     self._router = None
+                elif what == "rebalance":
+                    self._boards = None
                 elif what == "kv pool":
                     self._pool = None
                 if failures in (1, 10) or failures % 100 == 0:

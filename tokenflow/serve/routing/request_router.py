@@ -23,6 +23,7 @@ import asyncio
 import time
 from typing import List, Optional
 
+from tokenflow.core.config import PIN_KEY
 from tokenflow.serve.metrics import RouterMetrics
 from tokenflow.serve.ray_private import PowerOfTwoChoicesRequestRouter
 from tokenflow.serve.routing import board, ranking
@@ -64,7 +65,8 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         # LoRA requests keep Serve's multiplex-aware choice.
         if pending_request is None or not pending_request.metadata.multiplexed_model_id:
             by_id = self._tf_candidates(candidate_replicas)
-            order = table.rank(by_id)
+            pin = pinned(pending_request)
+            order = [pin] if pin in by_id else table.rank(by_id)
         if order is None:
             ranks = await super().choose_replicas(candidate_replicas, pending_request)
             self._tf_record(table, start, None)
@@ -98,3 +100,11 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         table = getattr(self, "_tf_table", None)
         if table is not None:
             table.on_sent(replica_id.unique_id)
+
+
+def pinned(pending_request) -> Optional[str]:
+    """The engine a request names in `tokenflow_engine` (the ingress's guard
+    lets it through only when the app allows pinning); None for most."""
+    args = getattr(pending_request, "args", None)
+    extra = getattr(args[0], "model_extra", None) if args else None
+    return extra.get(PIN_KEY) if extra else None
