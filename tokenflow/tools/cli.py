@@ -87,6 +87,12 @@ def _cmd_bench_router(args) -> int:
     return bench_router.run(args)
 
 
+def _cmd_bench_rebalance(args) -> int:
+    from tokenflow.tools import bench_rebalance
+
+    return bench_rebalance.run(args)
+
+
 def _dashboards_module():
     # dashboards/ sits beside tokenflow/ in the checkout (not an installed package).
     import importlib.util
@@ -245,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_router.add_arguments(br)
     br.set_defaults(func=_cmd_bench_router)
+    bb = sub.add_parser("bench-rebalance", help="a burst piled onto one engine, with and without moving paused "
+                                                "streams to the idle ones, in one run")
+    from tokenflow.tools import bench_rebalance
+
+    bench_rebalance.add_arguments(bb)
+    bb.set_defaults(func=_cmd_bench_rebalance)
     d = sub.add_parser("dashboards", help="Grafana dashboards: regenerate the JSON, or push it to a Grafana")
     d.add_argument("action", choices=["generate", "push"])
     d.add_argument("--url", help="Grafana base URL, e.g. http://127.0.0.1:3000 (push)")
