@@ -141,9 +141,11 @@ def test_a_move_is_continued_on_the_engine_named_and_counted_as_a_rebalance():
             return rest
 
         async def collect():
+            # The wait a loss gets (for the routing to hear of it) does not
+            # apply: the engine named is alive.
             return [x async for x in relay(first(batched), 2, lambda o, c: seen.append((o, c)),
-                                           continue_after=continue_after)]
-        assert asyncio.run(collect()) == ([A, A, B] if batched else [A, B])
+                                           resend_after_s=60.0, continue_after=continue_after)]
+        assert asyncio.run(asyncio.wait_for(collect(), 10)) == ([A, A, B] if batched else [A, B])
         assert seen == [("continued", "rebalance")] and asked == ["b"]
     assert loss_cause(EngineLost(MOVED)) == "rebalance"
 

@@ -118,7 +118,8 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
     out, ask continue_after(to) for a stream that continues the answer on
     another engine (continuation.py; `to`: the engine its engine moved it
     to, else None), or None: the stream then ends with the
-    lost-engine error event. Either goes `resend_after_s` later (time for
+    lost-engine error event. Either goes `resend_after_s` later, but for a
+    stream its engine moved to a named one (time for
     the routing to hear of the loss: re-sent at once, a request can go
     straight back to an engine that has just lost its core). on_lost hears
     each loss as one of OUTCOMES and one of CAUSES; abandon() is awaited before each new
@@ -178,7 +179,7 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
             open_stream = following
             if abandon is not None:
                 await abandon()
-            if resend_after_s > 0:
+            if resend_after_s > 0 and to is None:  # a move names a live engine: no need to wait
                 await asyncio.sleep(resend_after_s)
 
 
