@@ -343,8 +343,16 @@ def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, 
         stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat, i in opt_out)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         live.append(new_record())
+        # Stream first in even pairs, whole first in odd ones: a burst that
+        # the router alternates strictly over two engines (A, B, A, ...)
+        # then gives each engine both kinds, streams of even and odd pairs
+        # (in strict order, stream then whole each time, every stream went to
+        # one engine and every whole request to the other).
+        if i % 2:
+            wholes.append(pool.submit(http.post, base + path, json=whole_body, timeout=600))
         streams.append(pool.submit(_stream, base, stream_body, live[-1], http, chat))
-        wholes.append(pool.submit(http.post, base + path, json=whole_body, timeout=600))
+        if not i % 2:
+            wholes.append(pool.submit(http.post, base + path, json=whole_body, timeout=600))
     return pool, streams, wholes, live
 
 
@@ -425,8 +433,9 @@ def test_replica_killed_during_a_burst(serve_app):
     _wait_engines(base, 2, timeout=300)
     max_tokens, pairs, chat_pairs = 2000, 16, 4  # long enough that the burst is still running at the kill
     # The negative control: half the completion streams opt out of
-    # continuation; the routing spreads them over both engines.
-    opt_out = set(range(1, pairs - chat_pairs, 2))
+    # continuation, of even and odd pairs, so that each engine gets some
+    # (see _burst). (Odd pairs only once all went to the engine not killed.)
+    opt_out = {i for i in range(pairs - chat_pairs) if i % 4 in (1, 2)}
     http = _burst_client(base)
     lost_before = _engines(base, http)["replicas_lost"]
     pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, opt_out)

@@ -236,11 +236,11 @@ def test_a_skewed_burst_moves_paused_streams_to_the_idle_engine(serve_app):
     first round's), one id, the whole usage, [DONE], no error event. Both
     rounds' figures are printed; `tokenflow bench-rebalance` measures the
     difference over rounds (docs/BENCHMARKS.md)."""
-    from tests.test_failover import _burst_client, _stall_s
+    from tests.test_failover import _burst_client, _stall_s, _wait_engines
 
     base, model = serve_app["base_url"], serve_app["model"]
+    target, other = sorted(e["engine_id"] for e in _wait_engines(base, 2, timeout=300))[:2]
     http = _burst_client(base)
-    target, other = sorted(e["engine_id"] for e in _wait_fresh(base, http))[:2]
     figures, texts = {}, None
     for label, movable in (("asked to stay", False), ("movable", True)):
         _wait_idle(base, http)
@@ -269,18 +269,3 @@ def test_a_skewed_burst_moves_paused_streams_to_the_idle_engine(serve_app):
 
 def _received(view: dict, engine_id: str) -> int:
     return next(e["received_total"] for e in view["engines"] if e["engine_id"] == engine_id)
-
-
-def _wait_fresh(base: str, http, n: int = 2, timeout: float = 300.0) -> list[dict]:
-    import time
-
-    from tests.test_failover import _engines
-
-    deadline = time.monotonic() + timeout
-    fresh = []
-    while time.monotonic() < deadline:
-        fresh = [e for e in _engines(base, http)["engines"] if e["fresh"]]
-        if len(fresh) >= n:
-            return fresh
-        time.sleep(1.0)
-    raise AssertionError(f"{n} fresh engines not seen: {fresh}")
