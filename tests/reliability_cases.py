@@ -594,8 +594,9 @@ lower in three of four, raw throughput unchanged, but the readers' total
 stall not lower (+27% in the median of one run, mixed in another): on two
 cores the idle engine adds little capacity, since it competes with the
 busy one for the same cores; on GPUs each engine has its own device, not
-measured. In the live test's burst: 28 of 60 streams moved, total stall
-21 s against 40 s asking to stay, longest first token 1.4 s against 5.7 s.
+measured. In the live test's burst, two runs: 28 of 60 streams moved each
+time; total stall 21 s and 9 s against 40 s and 23 s asking to stay;
+longest first token 1.4 s and 1.7 s against 5.7 s and 5.2 s.
 
 Limits:
 - A moved stream is restarted on the peer by a prefill of its prompt and
