@@ -567,8 +567,8 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
   of `GET /v1/tokenflow/engines` and in `ray_tokenflow_engine_losses_total`
   (the overview dashboard's panel of losses by outcome and cause); a moved
   stream ends on its first engine with status `moved` in
-  `ray_tokenflow_requests_finished_total`. `router.rebalance: false`
-  switches it off.
+  `ray_tokenflow_requests_finished_total`. `router.rebalance` switches it
+  on: off by default (see the measurement below), on in configs/local.yaml.
 
 Tests: tests/test_rebalance.py: the policy on engine states (who moves,
 how many, the deficit against what the engine delivers, peers' spare rate
@@ -588,13 +588,14 @@ whole usage and `[DONE]`.
 
 Measured with and without (`tokenflow bench-rebalance`, docs/BENCHMARKS.md,
 "Rebalancing"; this 2-core VM, a burst of slow readers pinned to one
-engine needing twice its share of the capacity, rounds in turns): with
-moves, effective throughput 1.34x-1.97x in four pairs of rounds, P99 TTFT
-lower in three of four, raw throughput unchanged, but the readers' total
-stall not lower (+27% in the median of one run, mixed in another): on two
-cores the idle engine adds little capacity, since it competes with the
-busy one for the same cores; on GPUs each engine has its own device, not
-measured. In the live test's burst, two runs: 28 of 60 streams moved each
+engine needing twice its share of the capacity, rounds in turns, three
+runs): with moves, effective throughput 1.32x-1.97x in all seven pairs of
+rounds, P99 TTFT lower in five of seven, raw throughput about unchanged,
+but the readers' total stall higher (in all three pairs of the last run:
+a miss). Hence off by default. On two cores the idle engine adds little
+capacity, since it competes with the busy one for the same cores, and
+each move pays a prefill on the peer; on GPUs each engine has its own
+device, not measured. In the live test's burst, two runs: 28 of 60 streams moved each
 time; total stall 21 s and 9 s against 40 s and 23 s asking to stay;
 longest first token 1.4 s and 1.7 s against 5.7 s and 5.2 s.
 

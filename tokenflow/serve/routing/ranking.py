@@ -78,9 +78,12 @@ class RoutingSettings(Settings):
                                              "per poll and per request however large the cluster; a burst from "
                                              "one ingress between two polls spreads over at most this many "
                                              "engines.")
-    rebalance: bool = Field(True, description="An engine that holds paused streams moves some to less loaded "
-                                              "engines with spare rate (rebalance.py), continued there by the "
-                                              "ingress; streams that cannot be continued, or ask to stay, stay.")
+    rebalance: bool = Field(False, description="An engine that holds paused streams moves some to less loaded "
+                                               "engines with spare rate (rebalance.py), continued there by the "
+                                               "ingress; streams that cannot be continued, or ask to stay, stay. "
+                                               "Off by default: on 2 CPU cores it raised effective throughput "
+                                               "but also the readers' total stall (docs/BENCHMARKS.md); measure "
+                                               "with `tokenflow bench-rebalance` first.")
     rebalance_interval_s: Positive = Field(1.0, description="Least time (s) between two rounds of moves by one "
                                                             "engine (the peers' pushes show the last round by then).")
     rebalance_min_buffer_s: Positive = Field(0.5, description="A stream moves only while its reader has at least "
