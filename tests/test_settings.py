@@ -90,9 +90,23 @@ def test_a_replaced_ingress_relays_its_streams_as_long_as_a_request_may_run():
     default) to finish its requests; the ingress, which relays every stream,
     gets as long as the guard lets a request run (the live redeploy is in
     tests/test_failover.py)."""
-    from tokenflow.serve.app import INGRESS_DRAIN_UNBOUNDED_S, ingress_deployment_config
+    from tokenflow.serve.app import DRAIN_UNBOUNDED_S, ingress_deployment_config
 
     args = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["applications"][0]["args"]
     assert ingress_deployment_config(resolve_args(args))["graceful_shutdown_timeout_s"] == 3600
     unbounded = resolve_args({**args, "admission": {**args["admission"], "request_timeout_s": None}})
-    assert ingress_deployment_config(unbounded)["graceful_shutdown_timeout_s"] == INGRESS_DRAIN_UNBOUNDED_S
+    assert ingress_deployment_config(unbounded)["graceful_shutdown_timeout_s"] == DRAIN_UNBOUNDED_S
+
+
+def test_a_stopped_engine_replica_finishes_its_whole_requests_unless_the_config_says_otherwise():
+    """Streams leave a replica Serve stops at their next chunk; a whole
+    request finishes there, so the engines get as long as a request may run
+    instead of Serve's 20 s, and a `deployment_config` value still wins."""
+    from tokenflow.serve.app import DRAIN_UNBOUNDED_S, build_llm_config
+
+    args = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["applications"][0]["args"]
+    assert build_llm_config(args)[0].deployment_config["graceful_shutdown_timeout_s"] == 3600
+    unbounded = {**args, "admission": {**args["admission"], "request_timeout_s": None}}
+    assert build_llm_config(unbounded)[0].deployment_config["graceful_shutdown_timeout_s"] == DRAIN_UNBOUNDED_S
+    own = {**args, "deployment_config": {**args.get("deployment_config", {}), "graceful_shutdown_timeout_s": 45}}
+    assert build_llm_config(own)[0].deployment_config["graceful_shutdown_timeout_s"] == 45

@@ -61,6 +61,14 @@ def build_llm_config(args: dict | None):
         deployment_config["autoscaling_config"] = a["autoscaling_config"]
     else:
         deployment_config["num_replicas"] = a["num_replicas"]
+    # A replica Serve stops (a scale-down, a redeploy) hands its streams over
+    # at their next chunk (failover.bounce_if_engine_dead), but a whole
+    # request has no chunk to leave at: it finishes there. Serve's default
+    # 20 s would kill the replica under a long one (the ingress then re-sends
+    # it, its work lost), so unless the config says otherwise the replica
+    # waits as long as the guard lets any request run.
+    deployment_config.setdefault("graceful_shutdown_timeout_s",
+                                 a["admission"]["request_timeout_s"] or DRAIN_UNBOUNDED_S)
     if a["replica_num_cpus"] is not None:
         deployment_config.setdefault("ray_actor_options", {})["num_cpus"] = a["replica_num_cpus"]
     if a["router"]["enabled"] and "request_router_config" not in deployment_config:
@@ -88,9 +96,10 @@ def build_llm_config(args: dict | None):
     return LLMConfig(**kwargs), a
 
 
-# How long a replaced ingress relays its streams when requests have no time
-# limit (admission.request_timeout_s null): a day.
-INGRESS_DRAIN_UNBOUNDED_S = 86400.0
+# How long a replaced ingress relays its streams, and a stopped engine
+# replica finishes its whole requests, when requests have no time limit
+# (admission.request_timeout_s null): a day.
+DRAIN_UNBOUNDED_S = 86400.0
 
 
 def ingress_deployment_config(a: dict) -> dict:
@@ -101,7 +110,7 @@ def ingress_deployment_config(a: dict) -> dict:
     # relaying its streams until they end, for as long as the guard lets any
     # request run, instead of cutting them after Serve's default 20 s; it
     # takes no new requests meanwhile and exits when its last stream ends.
-    drain_s = a["admission"]["request_timeout_s"] or INGRESS_DRAIN_UNBOUNDED_S
+    drain_s = a["admission"]["request_timeout_s"] or DRAIN_UNBOUNDED_S
     config = {"num_replicas": a["ingress_replicas"], "graceful_shutdown_timeout_s": drain_s}
     if a["ingress_num_cpus"] is not None:
         config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
