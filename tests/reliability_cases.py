@@ -444,8 +444,15 @@ its streams over instead:
   heard yet) goes back to the ingress and is re-sent elsewhere.
 - Its agent takes the engine out of the slack routing at once, so the
   continuations and new requests go to the other engines.
-- Whole requests are not handed over: they finish within the drain, or are
-  re-sent by the ingress if Serve's budget cuts them (no token had gone out).
+- Whole requests are not handed over: they finish within the drain. So the
+  engines' `graceful_shutdown_timeout_s` is `admission.request_timeout_s`
+  too (a day when that is null; a value in `deployment_config` wins;
+  tokenflow/serve/app.py, `build_llm_config`), as long as the guard lets
+  a request run. With Serve's 20 s, one clean-clone run (2026-12-02) saw
+  the replica killed under a whole request of 1,500 tokens: the ingress
+  re-sent it (no token had gone out), so the client got its answer late
+  and the loss counted as a `failure`. Streams do not hold the drain open:
+  they leave at their next chunk.
 - Counted by cause: `replicas_lost_by_cause` in `GET /v1/tokenflow/engines`
   (`failure`, `shutdown`), and the `cause` label of
   `ray_tokenflow_engine_losses_total` (the overview's "Engine losses" panel
@@ -541,11 +548,19 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
 - While it holds paused streams whose readers still have at least
   `rebalance_min_buffer_s` (0.5 s) of text (the time for a first token
   elsewhere: a push, a long poll and a prefill), it reads the state
-  boards' head (the engines with the most slack) and moves them, fewest
-  buffered seconds first, each to the least loaded peer that has nobody
-  queued and spare decode rate for its reader, for as long as that leaves
-  it more loaded than that peer. Streams only go downhill, so two engines
-  never trade them back and forth.
+  boards' head (the engines with the most slack) and moves them, each to
+  the least loaded peer that has nobody queued, a free slot (its `slots`,
+  vLLM's `max_num_seqs`, less its load) and spare decode rate for the
+  reader, for as long as that leaves it more loaded than that peer.
+  Streams only go downhill, so two engines never trade them back and
+  forth.
+- Most buffered seconds first: a move costs its reader a gap (the
+  continuation's prefill on the peer, beside the others moved in the same
+  round), so it goes to the readers with the most text in hand; those
+  about to run dry stay, and their engine, less loaded now, resumes them
+  in place. The first version moved the soonest-dry first and levelled by
+  load alone, without the slot bound; it raised the readers' total stall
+  (the measurement below).
 - The engine names the peer, and the continuation goes there: the
   router's own ranking counts decode rate, not slots, and sent moved
   streams straight back to the busy engine in the first live runs.
@@ -553,8 +568,8 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
   waits for its next chunk (it cancels that wait, which ends the engine
   request) and ends its side of the stream with an SSE comment the
   ingress reads as "moved" (a normal end for Serve: no error logged or
-  counted); the ingress continues it through the router, which sends it
-  where slack is largest. The reader sees one stream, the same text.
+  counted); the ingress continues it on the peer named. The reader sees
+  one stream, the same text.
 - Only streams the ingress could continue may move: the ingress marks
   them (`vllm_xargs.tokenflow_movable`) while they have a continuation
   left, so a move never ends a stream with an error event. A stream that
@@ -570,10 +585,11 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
   `ray_tokenflow_requests_finished_total`. `router.rebalance` switches it
   on: off by default (see the measurement below), on in configs/local.yaml.
 
-Tests: tests/test_rebalance.py: the policy on engine states (who moves,
-how many, the deficit against what the engine delivers, peers' spare rate
-as the bound, a reader faster than the engine's step rate counted at that
-rate); on a real asyncio stream, a paused movable stream interrupted while
+Tests: tests/test_rebalance.py: the policy on engine states (downhill
+levelling over one or more peers, the best stocked readers first, none
+under the buffer floor, peers' free slots and spare rate as the bounds,
+peers with a queue skipped, a reader faster than the engine's step rate
+counted at that rate); on a real asyncio stream, a paused movable stream interrupted while
 it waits, its engine request closed, the task that drove it not left
 cancelled, a stream that may not move left alone; the ingress continuing
 a move and counting it as a rebalance. Live
@@ -581,8 +597,7 @@ a move and counting it as a rebalance. Live
 streams pinned to one engine (`tokenflow_engine`, allowed by
 `admission.engine_pinning`, on in configs/local.yaml), the other idle;
 first asking to stay (none may move: none moves, the negative control),
-then movable, their readers sized to need 1.5x what the engine
-delivered in the first round: streams move, the idle engine receives them,
+then movable, readers at 10 tokens/s: streams move, the idle engine receives them,
 and every stream reads exactly the first round's greedy text, one id, the
 whole usage and `[DONE]`.
 
@@ -604,9 +619,10 @@ Limits:
   the tokens sent (its KV is not carried over); a sampled stream continues
   with another random stream there, as after a failure.
 - The peers' spare decode rate is their best rate shown less what their
-  readers need, the ranking's estimate: it counts neither slots nor KV,
-  so a peer may take more streams than it can run at once; it then pauses
-  some in turn (and moves them on only downhill).
+  readers need, the ranking's estimate, and their free slots are counted
+  from their last push: KV is not counted, so a peer short of KV may
+  still take streams; it then pauses some in turn (and moves them on only
+  downhill).
 - Moves are decided per engine, each from its own view and the boards'
   head; engines do not agree among themselves, so two busy engines may
   send to one peer in the same round.

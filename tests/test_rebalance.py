@@ -22,9 +22,9 @@ S = RoutingSettings(capacity_tps=1000.0, rebalance_min_buffer_s=1.0)
 
 
 def state(eid: str, rate_sum: float, load: int, peak: float = 1000.0, waiting: int = 0,
-          stream_tps: float | None = 50.0):
+          stream_tps: float | None = 50.0, slots: int | None = None):
     return EngineState(engine_id=eid, rate_sum=rate_sum, running=load - waiting, waiting=waiting, peak_tps=peak,
-                       stream_tps=stream_tps)
+                       stream_tps=stream_tps, slots=slots)
 
 
 def paused(n: int, rate: float = 10.0, first_buffer: float = 2.0) -> list[Idle]:
@@ -33,8 +33,9 @@ def paused(n: int, rate: float = 10.0, first_buffer: float = 2.0) -> list[Idle]:
 
 def test_paused_streams_go_downhill_until_the_loads_are_level():
     own = state("a", 600.0, load=60)
-    # b runs 50: moves while a stays more loaded than b (60-55 vs 50-55).
-    assert plan_moves(own, [state("b", 500.0, load=50)], paused(28), S) == [(h, "b") for h in range(5)]
+    # b runs 50: moves while a stays more loaded than b (60-55 vs 50-55),
+    # the streams with the most text in hand first.
+    assert plan_moves(own, [state("b", 500.0, load=50)], paused(28), S) == [(h, "b") for h in (27, 26, 25, 24, 23)]
     # Level already: nothing moves, so two engines never trade streams back.
     assert plan_moves(own, [state("b", 500.0, load=59)], paused(28), S) == []
     assert plan_moves(own, [], paused(28), S) == []
@@ -48,18 +49,34 @@ def test_paused_streams_go_downhill_until_the_loads_are_level():
                                        "b", "c", "b"]
 
 
-def test_the_streams_that_run_dry_soonest_go_first_but_not_too_dry_to_move():
+def test_the_streams_with_most_text_in_hand_go_first_and_none_too_dry_to_move():
     own = state("a", 600.0, load=60)
     idle = [Idle(1, 10.0, 9.0), Idle(2, 10.0, 2.0), Idle(3, 10.0, 0.5), Idle(4, 10.0, 3.0)]
-    # Stream 3 has too little text left to survive the move.
-    assert [h for h, _ in plan_moves(own, [state("b", 0.0, load=0)], idle, S)] == [2, 4, 1]
+    # Stream 3 has too little text left to survive the move; the others can
+    # wait out the hand-over, the best stocked most easily.
+    assert [h for h, _ in plan_moves(own, [state("b", 0.0, load=0)], idle, S)] == [1, 4, 2]
+    # Only two fit (b has two free slots): the two best stocked go.
+    assert [h for h, _ in plan_moves(own, [state("b", 0.0, load=30, slots=32)], idle, S)] == [1, 4]
+
+
+def test_a_peer_takes_streams_only_into_free_slots():
+    own = state("a", 600.0, load=60)
+    # Levelling alone would move 15 to b (45 each); b has 2 free slots.
+    assert len(plan_moves(own, [state("b", 300.0, load=30, slots=32)], paused(28), S)) == 2
+    assert plan_moves(own, [state("b", 300.0, load=32, slots=32)], paused(28), S) == []
+    # A full peer is skipped, a peer with room still takes its share.
+    moves = plan_moves(own, [state("b", 300.0, load=32, slots=32), state("c", 300.0, load=28, slots=32)],
+                       paused(28), S)
+    assert [to for _, to in moves] == ["c"] * 4
+    # Slots not known (an engine that did not say): levelling alone.
+    assert len(plan_moves(own, [state("b", 300.0, load=30)], paused(28), S)) == 15
 
 
 def test_moves_are_bounded_by_the_peers_spare_rate_and_skip_peers_with_a_queue():
     own = state("a", 1400.0, load=60)
     # b has 25 tokens/s to spare: two readers of 10, not three; c has a queue.
     assert plan_moves(own, [state("b", 975.0, load=5), state("c", 0.0, load=3, waiting=3)], paused(10), S) == [
-        (0, "b"), (1, "b")]
+        (9, "b"), (8, "b")]
 
 
 def test_a_reader_faster_than_the_engine_counts_at_the_engine_s_step_rate():
@@ -239,7 +256,10 @@ def test_a_skewed_burst_moves_paused_streams_to_the_idle_engine(serve_app):
     from tests.test_failover import _burst_client, _stall_s, _wait_engines
 
     base, model = serve_app["base_url"], serve_app["model"]
-    target, other = sorted(e["engine_id"] for e in _wait_engines(base, 2, timeout=300))[:2]
+    engines = _wait_engines(base, 2, timeout=300)
+    # Each engine tells its peers its slots (vLLM's max_num_seqs): moves fill only free ones.
+    assert {e["slots"] for e in engines} == {_max_num_seqs()}, engines
+    target, other = sorted(e["engine_id"] for e in engines)[:2]
     http = _burst_client(base)
     figures, texts = {}, None
     for label, movable in (("asked to stay", False), ("movable", True)):
@@ -265,6 +285,15 @@ def test_a_skewed_burst_moves_paused_streams_to_the_idle_engine(serve_app):
             assert not wrong, f"moved streams whose text is not the uninterrupted answer: {wrong}"
     print(f"\nskewed burst of {SKEW_STREAMS} streams of {SKEW_TOKENS} tokens, readers at {SKEW_RATE} tokens/s, "
           f"on one engine: {figures}")
+
+
+def _max_num_seqs() -> int:
+    import yaml
+
+    from tests.conftest import LOCAL_CONFIG
+
+    with open(LOCAL_CONFIG) as f:
+        return yaml.safe_load(f)["applications"][0]["args"]["engine_kwargs"]["max_num_seqs"]
 
 
 def _received(view: dict, engine_id: str) -> int:

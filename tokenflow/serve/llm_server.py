@@ -108,6 +108,7 @@ class TokenFlowLLMServer(LLMServer):
                                "(kv_pool.shared_memory: false gives each engine its own share)", e)
         self._stopping = _stopping_flag()
         await super().__init__(llm_config, **kwargs)
+        self._tracker.slots = self._max_num_seqs()
         # Only now: the router must never see an engine that cannot serve yet.
         self._agent = _start_agent(self._tracker, self._router_settings, self._kv_settings,
                                    self._scheduler_state, self._metrics, self._engine_dead, self._stopping)
@@ -119,6 +120,14 @@ class TokenFlowLLMServer(LLMServer):
         if core is None:
             return None
         return SchedulerState.from_wire(await core.call_utility_async(UTILITY))
+
+    def _max_num_seqs(self) -> int | None:
+        """Requests the engine runs at once, as vLLM resolved it (the
+        engine's default where the config does not say); None if unknown."""
+        client = getattr(self.engine, "_engine_client", None)
+        sched = getattr(getattr(client, "vllm_config", None), "scheduler_config", None)
+        n = getattr(sched, "max_num_seqs", None)
+        return n if isinstance(n, int) and n > 0 else None
 
     def _tokenizer(self):
         """The engine's own tokenizer (the one its detokenizer uses); None

@@ -58,6 +58,7 @@ class EngineTracker:
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
         self.peak_tps = 0.0
+        self.slots: int | None = None  # the engine's max_num_seqs, once it runs (rebalance.py reads it)
         self.tokens_total = 0
 
     def open(self, rate: float, stream: bool, arrival: float, carried: tuple[float, float] | None = None) -> int:
@@ -163,7 +164,7 @@ class EngineTracker:
                     buffer_s_sum=round(b_sum, 4), buffer_s_capped=round(b_cap, 4),
                     buffer_s_min=None if b_min is None else round(b_min, 4),
                     rate_sum=rate_sum, decode_tps=round(tps, 2), peak_tps=round(self.peak_tps, 2),
-                    received_total=self.received_total)
+                    received_total=self.received_total, slots=self.slots)
 
 
 async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, stream: bool,

@@ -118,6 +118,7 @@ class EngineState:
     decode_tps: float = 0.0  # tokens/s delivered lately
     peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
     received_total: int = 0  # requests ever received (settles "just sent" counts)
+    slots: int | None = None  # requests its engine runs at once (vLLM's max_num_seqs); None: not known
     seq: int = 0
     sent_at: float = 0.0  # engine wall clock at push (the state board counts transit from it)
     scheduler: dict | None = None  # the TokenFlow scheduler's own summary, when available

@@ -9,13 +9,20 @@ serve at once (its readers stall in turn), and no new request fixes that. So eac
 TokenFlow policy pauses a reader only when newcomers need its slot or the
 engine cannot keep up with every reader at once. While it holds paused
 streams, and peers (from the state boards' head: the engines with the
-most slack) have nobody queued and spare rate, it moves paused streams
-there, fewest buffered seconds first (their readers run dry soonest), each
-to the least loaded peer with spare rate for its reader, for as long as
+most slack) have nobody queued, a free slot and spare rate, it moves
+paused streams there, each to the least loaded such peer, for as long as
 that leaves it more loaded than that peer (so streams only ever go
-downhill, and two engines never trade them back and forth). A stream is moved only while
-its reader holds at least `rebalance_min_buffer_s` of text, the time for
-its continuation's first token elsewhere.
+downhill, and two engines never trade them back and forth).
+
+Which streams: most buffered seconds first. A move costs its reader a gap
+(the continuation's prefill on the peer, with the other streams moved in
+the same round), so it goes to the readers with the most text in hand;
+the readers about to run dry stay, and their engine, now less loaded,
+resumes them in place. None is moved with less than
+`rebalance_min_buffer_s` in hand. A peer takes streams only into free
+slots (its `slots` less its load): a stream moved onto a full peer would
+only wait paused there instead (the first version levelled by load alone,
+and the peer ended up time-sharing more streams than its slots).
 
 Moving is the ingress's continuation (tokenflow/serve/continuation.py):
 the replica interrupts the paused stream and names the peer; the ingress
@@ -30,6 +37,7 @@ streams and carries the moves out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, peer_tps
@@ -63,14 +71,15 @@ def plan_moves(own: EngineState, peers: list[EngineState], idle: list[Idle],
                s: RoutingSettings) -> list[tuple[int, str]]:
     """(handle, engine id) of each stream to move now, and where (module doc)."""
     best = peer_tps([own, *peers])
-    room = {p.engine_id: [capacity(p, s, best) - required(p, s), p.load] for p in peers
+    room = {p.engine_id: [capacity(p, s, best) - required(p, s), p.load, p.slots or math.inf] for p in peers
             if p.engine_id != own.engine_id and p.waiting == 0}
     load, moves = own.load, []
-    for stream in sorted(idle, key=lambda x: x.buffer_s):
+    for stream in sorted(idle, key=lambda x: -x.buffer_s):
         if stream.buffer_s < s.rebalance_min_buffer_s:
-            continue
+            break  # the rest hold less still
         need = min(stream.rate, own.stream_tps) if own.stream_tps else stream.rate
-        fits = [e for e, (spare, peer_load) in room.items() if spare >= need and peer_load < load - 1]
+        fits = [e for e, (spare, peer_load, slots) in room.items()
+                if spare >= need and peer_load < min(load - 1, slots)]
         if not fits:
             break
         target = min(fits, key=lambda e: (room[e][1], -room[e][0], e))
