@@ -607,7 +607,9 @@ engine needing twice its share of the capacity, rounds in turns, three
 runs): with moves, effective throughput 1.32x-1.97x in all seven pairs of
 rounds, P99 TTFT lower in five of seven, raw throughput about unchanged,
 but the readers' total stall higher (in all three pairs of the last run:
-a miss). Hence off by default. On two cores the idle engine adds little
+a miss). The current order and slot bound, one run of three pairs:
+effective throughput 1.22x-1.70x, total stall higher in two pairs of
+three (6.3x and 24.6x; 0.91x in the other). Hence off by default. On two cores the idle engine adds little
 capacity, since it competes with the busy one for the same cores, and
 each move pays a prefill on the peer; on GPUs each engine has its own
 device, not measured. In the live test's burst, two runs: 28 of 60 streams moved each
