@@ -2,7 +2,8 @@
 tests/test_reliability.py and docs/RELIABILITY.md.
 
 Each case: the request (path, JSON `body` or raw `raw` bytes, extra
-headers, method) and the response observed on the local.yaml app
+headers, method) and the response observed on the live tests' app
+(configs/local.yaml with engine pinning and rebalancing on; tests/conftest.py)
 (`status`, and `message`: the JSON error message, compared exactly after
 `normalize`). `note` goes to the doc.
 
@@ -227,7 +228,8 @@ tests/test_reliability.py.
 
 ## Bad input
 
-Every row was sent to the running local.yaml app (tiny model, 2 CPU
+Every row was sent to the live tests' app (configs/local.yaml with engine
+pinning and rebalancing on, tests/conftest.py; tiny model, 2 CPU
 engines); after each row the app still answers a good request. `status` and
 `message` are what came back (message: the JSON error's `message`, or
 FastAPI's `detail`, ids masked, cut at 300 characters). `max_tokens: 2`
@@ -583,7 +585,9 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
   (the overview dashboard's panel of losses by outcome and cause); a moved
   stream ends on its first engine with status `moved` in
   `ray_tokenflow_requests_finished_total`. `router.rebalance` switches it
-  on: off by default (see the measurement below), on in configs/local.yaml.
+  on: off by default (see the measurement below), also in
+  configs/local.yaml; the live tests' app (tests/conftest.py) and
+  `tokenflow bench-rebalance` switch it on.
 
 Tests: tests/test_rebalance.py: the policy on engine states (downhill
 levelling over one or more peers, the best stocked readers first, none
@@ -595,7 +599,7 @@ cancelled, a stream that may not move left alone; the ingress continuing
 a move and counting it as a rebalance. Live
 (`test_a_skewed_burst_moves_paused_streams_to_the_idle_engine`): 60
 streams pinned to one engine (`tokenflow_engine`, allowed by
-`admission.engine_pinning`, on in configs/local.yaml), the other idle;
+`admission.engine_pinning`, on in the tests' app), the other idle;
 first asking to stay (none may move: none moves, the negative control),
 then movable, readers at 10 tokens/s: streams move, the idle engine receives them,
 and every stream reads exactly the first round's greedy text, one id, the

@@ -603,12 +603,12 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
 
     import yaml
 
-    from tests.conftest import LOCAL_CONFIG
+    from tests.conftest import TEST_CONFIG
 
     base, model = serve_app["base_url"], serve_app["model"]
     engines = _wait_engines(base, 2, timeout=600)
     deployment = engines[0]["replica"].split("#")[1]  # SERVE_REPLICA::<app>#<deployment>#<id>
-    with open(LOCAL_CONFIG) as f:
+    with open(TEST_CONFIG) as f:
         config = yaml.safe_load(f)
     fewer = json.loads(json.dumps(config))
     fewer["applications"][0]["deployments"] = [{"name": deployment, "num_replicas": 1}]
@@ -679,11 +679,11 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
 
     import yaml
 
-    from tests.conftest import LOCAL_CONFIG
+    from tests.conftest import TEST_CONFIG
 
     base, model = serve_app["base_url"], serve_app["model"]
     old_engines = {e["engine_id"] for e in _wait_engines(base, 1, timeout=600)}
-    with open(LOCAL_CONFIG) as f:
+    with open(TEST_CONFIG) as f:
         changed = yaml.safe_load(f)
     args = changed["applications"][0]["args"]
     args["admission"]["request_timeout_s"] = args["admission"]["request_timeout_s"] / 2

@@ -290,9 +290,9 @@ def test_a_skewed_burst_moves_paused_streams_to_the_idle_engine(serve_app):
 def _max_num_seqs() -> int:
     import yaml
 
-    from tests.conftest import LOCAL_CONFIG
+    from tests.conftest import TEST_CONFIG
 
-    with open(LOCAL_CONFIG) as f:
+    with open(TEST_CONFIG) as f:
         return yaml.safe_load(f)["applications"][0]["args"]["engine_kwargs"]["max_num_seqs"]
 
 
