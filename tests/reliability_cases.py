@@ -462,7 +462,9 @@ its streams over instead:
 
 Test (tests/test_failover.py::test_a_scale_down_through_serve_hands_its_streams_over,
 live app): 8 pairs of a stream and a whole request of 1,500 tokens, 2 of
-them chats. Once both engines run streams, the app's own config is
+them chats. Once every stream has tokens (the router has spread them over
+both engines; read from the client's side, since the ingress answers polls
+late during such a burst on 2 cores), the app's own config is
 deployed again with a `deployments` override of one engine replica
 (`num_replicas: 1`), through Serve's REST API on the Ray dashboard, as
 `serve deploy` sends it. Serve's controller picks a replica and stops it.

@@ -577,17 +577,19 @@ def _ray_auth() -> dict:
     return {"Authorization": f"Bearer {token}"}
 
 
-def _streams_on_every_engine(base: str, http, live: list[dict], n: int) -> None:
-    """Wait until each of `n` engines runs requests and streams have tokens."""
+def _streams_started(live: list[dict], timeout: float = 120) -> None:
+    """Until every stream of a burst has tokens (the router spreads a burst
+    over the engines). Read from the client's own records: during a burst
+    on 2 cores the ingress, which serves the engines' view, answered polls
+    6-12 s late in one clean-clone run, and the streams had ended by the
+    time a poll showed both engines running them."""
     import time
 
-    deadline, seen = time.monotonic() + 120, []
-    while time.monotonic() < deadline:
-        seen = [e for e in _engines(base, http)["engines"] if e["age_s"] <= 2.0]
-        if len(seen) >= n and all(e["running"] > 0 for e in seen) and any(rec["tokens"] for rec in live):
-            return
+    deadline = time.monotonic() + timeout
+    while not all(rec["tokens"] for rec in live):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"streams without a token after {timeout} s")
         time.sleep(0.05)
-    raise AssertionError(f"streams never ran on {n} engines at once: {seen}")
 
 
 @pytest.mark.slow
@@ -618,7 +620,7 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     before = _engines(base, http)
     pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
     try:
-        _streams_on_every_engine(base, http, live, 2)
+        _streams_started(live)
         stopped_at = time.monotonic()
         _serve_deploy(fewer)
         stream_recs = [f.result(timeout=600) for f in streams]
@@ -643,7 +645,8 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     after = _engines(base)
     lost = {k: v - before["replicas_lost"].get(k, 0) for k, v in after["replicas_lost"].items()}
     causes = {k: v - before["replicas_lost_by_cause"].get(k, 0) for k, v in after["replicas_lost_by_cause"].items()}
-    assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, lost
+    assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, (
+        lost, "no stream was handed over: the stopped replica held none, or Serve stopped it after they ended")
     assert causes["shutdown"] >= 1 and causes["failure"] == 0, causes
     assert max(stalls) < STALL_BOUND_S, stalls
 
