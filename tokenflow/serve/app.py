@@ -67,8 +67,7 @@ def build_llm_config(args: dict | None):
     # 20 s would kill the replica under a long one (the ingress then re-sends
     # it, its work lost), so unless the config says otherwise the replica
     # waits as long as the guard lets any request run.
-    deployment_config.setdefault("graceful_shutdown_timeout_s",
-                                 a["admission"]["request_timeout_s"] or DRAIN_UNBOUNDED_S)
+    deployment_config.setdefault("graceful_shutdown_timeout_s", drain_s(a))
     if a["replica_num_cpus"] is not None:
         deployment_config.setdefault("ray_actor_options", {})["num_cpus"] = a["replica_num_cpus"]
     if a["router"]["enabled"] and "request_router_config" not in deployment_config:
@@ -102,6 +101,12 @@ def build_llm_config(args: dict | None):
 DRAIN_UNBOUNDED_S = 86400.0
 
 
+def drain_s(a: dict) -> float:
+    """How long Serve lets a replica it stops finish its requests: as long
+    as the guard lets any request run."""
+    return a["admission"]["request_timeout_s"] or DRAIN_UNBOUNDED_S
+
+
 def ingress_deployment_config(a: dict) -> dict:
     """The ingress deployment's options from the resolved args."""
     from tokenflow.serve import guard
@@ -110,8 +115,7 @@ def ingress_deployment_config(a: dict) -> dict:
     # relaying its streams until they end, for as long as the guard lets any
     # request run, instead of cutting them after Serve's default 20 s; it
     # takes no new requests meanwhile and exits when its last stream ends.
-    drain_s = a["admission"]["request_timeout_s"] or DRAIN_UNBOUNDED_S
-    config = {"num_replicas": a["ingress_replicas"], "graceful_shutdown_timeout_s": drain_s}
+    config = {"num_replicas": a["ingress_replicas"], "graceful_shutdown_timeout_s": drain_s(a)}
     if a["ingress_num_cpus"] is not None:
         config["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
     # API keys given in the app's `env` guard the ingress, which reads them.
