@@ -554,7 +554,7 @@ def _app_args(model_path: str) -> dict:
                               "max_ongoing_requests": ENGINE_MAX_ONGOING},
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENFLOW_API_KEYS": KEY},
         "engine_kwargs": {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 * 2**20,
-                          "max_model_len": 1024, "max_num_seqs": 16,
+                          "max_model_len": 2048, "max_num_seqs": 16,
                           "scheduler_cls": "tokenflow.engine.scheduler.TokenFlowScheduler"},
         "tokenflow": {"policy": "tokenflow", "dt": 0.5, "default_rate": 40.0},
         # stale_after_s as local.yaml (2 busy cores delay pushes); as a cluster
@@ -841,10 +841,13 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     from openai import OpenAI
 
     base, limit = cluster_app["base"], ADMISSION["request_timeout_s"]
-    # 8 sequences of 1,000 tokens each: far longer than the limit on these
-    # engines, and both requests fit in one engine's 16 slots, so that the
-    # stream's first token never waits for the other (first_token_timeout_s).
-    body = {"model": "tiny-llama", "prompt": "Tell a very long story.", "max_tokens": 1000, "n": 8,
+    # 8 sequences of 2,000 tokens each: far longer than the limit on these
+    # engines (a fast VM streamed 6,027 of 8,000 tokens within 6 s when they
+    # were 1,000 long), and both requests fit in one engine's 16 slots, so
+    # that the stream's first token never waits for the other
+    # (first_token_timeout_s). The KV cache holds 16,384 tokens, which the 16
+    # sequences fill only past 1,000 tokens each, after the limit: none is preempted.
+    body = {"model": "tiny-llama", "prompt": "Tell a very long story.", "max_tokens": 2000, "n": 8,
             "ignore_eos": True, "temperature": 1.0}  # n > 1 needs sampling
 
     def whole():
@@ -881,7 +884,7 @@ def test_requests_past_their_time_limit_end_cleanly_and_leave_the_engines(cluste
     # before the stream, at the speed it had, would have ended by itself.
     # (A fixed 4 s cap failed once by 0.2 s in a clean-clone suite run: on 2
     # busy cores the engine's push showing the abort can lag that much.)
-    left_s = (8 * 1000 - tokens) / (tokens / stream_s)
+    left_s = (8 * 2000 - tokens) / (tokens / stream_s)
     assert tokens > 0 and left_s > 2.0, (tokens, left_s)
     deadline = time.monotonic() + 0.75 * left_s
     while not _engines_idle(base):
