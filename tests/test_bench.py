@@ -206,6 +206,48 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
     assert not left, left
 
 
+@pytest.mark.slow
+def test_bench_app_together_serves_every_policy_at_once(tmp_path):
+    """`tokenflow bench-app --together`: one `serve run` holds an app per
+    policy, each at /<policy> with its share of local.yaml's two engines
+    (one each), calibrated at once and sent the same schedule at once;
+    the summary pairs each request's first tokens."""
+    out = tmp_path / "together"
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--together", "--port", "8019",
+         "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
+         "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs", "--no-plots", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    summary = json.loads((out / "summary.json").read_text())
+    wl = summary["workload"]
+    assert wl["together"] and wl["order"] == ["tokenflow", "fcfs"] and "together" in wl["timing"]
+    apps = yaml.safe_load((out / "app-together.yaml").read_text())["applications"]
+    assert [(a["route_prefix"], a["args"]["tokenflow"]["policy"], a["args"]["num_replicas"]) for a in apps] == \
+        [("/tokenflow", "tokenflow", 1), ("/fcfs", "fcfs", 1)]
+    assert len({a["name"] for a in apps}) == 2
+    # each app's engine keeps a whole CPU of the config's two: two engines in all, as local.yaml has
+    assert all(a["args"]["placement_group_config"]["bundles"] == [{"CPU": 1}] for a in apps)
+    cal = wl["calibration"]
+    assert set(cal["per_app"]) == {"tokenflow", "fcfs"} and all(x["decode_tps"] > 0 for x in cal["per_app"].values())
+    assert cal["measured_with"] == "together" and cal["failed"] == 0
+    assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))
+    n = wl["requests"]
+    engine_ids = []
+    for name, res in summary["results"].items():
+        assert res["completed"] == n and res["failed"] == 0 and res["total_output_tokens"] == 32 * n, name
+        assert len(res["scheduler_stats"]) == 1, name  # this app's one engine, read at its own prefix
+        engine_ids += list(res["scheduler_stats"])
+        lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
+        assert sorted(x["id"] for x in lines) == list(range(n)) and all(x["ok"] for x in lines)
+    assert len(set(engine_ids)) == 2  # two apps, two engines
+    paired = summary["paired_ttft_tokenflow_minus_fcfs"]
+    assert paired["requests"] == n and paired["p1_s"] <= paired["p50_s"] <= paired["p99_s"]
+    with socket.socket() as sock:  # both apps are gone
+        assert sock.connect_ex(("127.0.0.1", 8019)) != 0
+
+
 def test_both_benches_rotate_the_order_with_the_seed():
     from tokenflow.tools.bench import run_order
 
@@ -217,7 +259,8 @@ def test_bench_app_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--load", "-1"], "--load"), (["--rates", "fast"], "rate"),
                       (["--config", str(tmp_path / "none.yaml")], "no such config"),
                       (["--tokenflow", '{"policy": "fcfs"}'], "--tokenflow"),
-                      (["--model", "other"], "model_id"), (["--app-nice", "30"], "--app-nice"), (["--shape", "bursts", "--load", "0"], "--period")):
+                      (["--model", "other"], "model_id"), (["--app-nice", "30"], "--app-nice"), (["--shape", "bursts", "--load", "0"], "--period"),
+                      (["--together", "--policies", "fcfs"], "--together")):
         r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--out", str(tmp_path), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, (args, r.stderr)

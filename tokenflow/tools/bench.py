@@ -315,11 +315,13 @@ def combine_stats(per_round: list[dict | None]) -> dict | None:
 
 
 def paired_ttft(ttfts: dict) -> dict | None:
-    """Lockstep only: each request's first token under tokenflow minus
-    under fcfs, where both engines saw it arrive at the same time on their
-    own clocks. A P99 over a few hundred first tokens is set by a handful
-    of steps that happened to be slow on one engine; the pairs say whether
-    the same requests come later. None unless both ran."""
+    """Each request's first token under tokenflow minus under fcfs, where
+    both saw it arrive at the same time: in lockstep (each engine on its own
+    clock) or with the apps served together (`bench-app --together`). A
+    P99 over a few hundred first tokens is set by a handful of steps that
+    happened to be slow on one side; the pairs say whether the same
+    requests come later. `ttfts`: policy -> request id -> seconds. None
+    unless both ran."""
     f, t = ttfts.get("fcfs"), ttfts.get("tokenflow")
     if not f or not t:
         return None

@@ -7,14 +7,22 @@ really answers, drives the same seeded schedule of streaming readers at it
 (tokenflow/tools/loadtest/http_reader.py, the Locust users' accounting), and stops it.
 Tokens are timed by the client as their SSE lines arrive.
 
+`--together` serves every policy's app at once instead, each at route
+prefix /<policy> with its share of the engines, and sends each the same
+requests at the same moments: on a small machine whose speed drifts
+between runs, the policies then meet the same drift, and the summary pairs
+each request's first tokens. Each app has fewer engines than the config's,
+and the apps share the machine.
+
 `--load F` first measures what the app decodes (the first policy's app,
-every slot of every engine streaming at once) and sizes the workload to F x
-that, so one command means the same contention on any machine.
+every slot of every engine streaming at once; together: every app at once,
+their mean) and sizes the workload to F x that, so one command means the
+same contention on any machine.
 
 OUT gets requests-<policy>.jsonl, summary.json (the schema of `tokenflow
 bench`, plus SLO goodput and vLLM's benchmark fields under its names),
-app-<policy>.yaml (the exact config each run served), serve-<policy>.log
-and the same plots as `tokenflow bench`.
+app-<policy>.yaml and serve-<policy>.log (together: app-together.yaml and
+serve-together.log) and the same plots as `tokenflow bench`.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from pathlib import Path
 import yaml
 
 from tokenflow.tools import launcher
-from tokenflow.tools.bench import RATIO_KEYS, percentile, ratios, run_order
+from tokenflow.tools.bench import RATIO_KEYS, paired_ttft, percentile, ratios, run_order
 from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.exporter import ClientMetrics
 from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
@@ -96,6 +104,46 @@ def app_config(config: Path, policy: str, port: int, requests: int, engines: int
     return doc
 
 
+def share_bundles(entry: dict, share: float) -> None:
+    """Scale an app entry's placement-group CPUs by `share`, where more
+    engines than the config's must fit on its nodes (logical CPUs only; each
+    engine's threads are set by its env)."""
+    args = entry["args"]
+    for llm in args.get("llm_configs", [args]):
+        pg = llm.get("placement_group_config") or {}
+        for bundle in pg.get("bundles", []):
+            if "CPU" in bundle:
+                bundle["CPU"] = bundle["CPU"] * share
+
+
+def together_config(config: Path, policies: list[str], port: int, requests: int, engines: int | None,
+                    tokenflow: dict) -> dict:
+    """One `serve run` config with an app per policy, each at route prefix
+    /<policy> with its share of the engines (at least one) and of their
+    placement CPUs, and the config's app otherwise."""
+    from tokenflow.serve import app as tf_app
+
+    doc = app_config(config, policies[0], port, requests, engines, tokenflow)
+    if len(doc["applications"]) != 1:
+        raise ValueError("bench-app --together needs a config of one application")
+    entry = doc["applications"][0]
+    entry["args"]["placement_group_config"] = copy.deepcopy(
+        tf_app.resolve_args(entry["args"])["placement_group_config"])
+    total = int(entry["args"].get("num_replicas", 1))
+    per_app = max(1, total // len(policies))
+    apps = []
+    for policy in policies:
+        app = copy.deepcopy(entry)
+        app["name"] = f"{entry.get('name', 'tokenflow')}-{policy}"
+        app["route_prefix"] = f"/{policy}"
+        app["args"]["tokenflow"]["policy"] = policy
+        app["args"]["num_replicas"] = per_app
+        share_bundles(app, min(1.0, total / (per_app * len(policies))))
+        apps.append(app)
+    doc["applications"] = apps
+    return doc
+
+
 def slots(doc: dict) -> int:
     """Sequence slots over all engines: the calibration's concurrency."""
     args = doc["applications"][0]["args"]
@@ -126,6 +174,7 @@ class ServedApp:
         s = launcher.app_settings(str(config_path))
         self.base_url, self.model = f"http://{s['host']}:{s['port']}", s["model"]
         self.host, self.port = s["host"], s["port"]
+        self.first_url = self.base_url + s["route"].rstrip("/")  # the first app: ready means it answers
 
     def __enter__(self) -> "ServedApp":
         if not port_free(self.host, self.port):
@@ -134,7 +183,7 @@ class ServedApp:
         self.log = open(self.log_path, "wb")
         self.proc = launcher.start(str(self.config_path), log=self.log, niceness=self.niceness)
         try:
-            ready = launcher.wait_until_ready(self.base_url, self.model, self.ready_timeout, self.proc)
+            ready = launcher.wait_until_ready(self.first_url, self.model, self.ready_timeout, self.proc)
         except BaseException:  # Ctrl-C while it starts: the app goes too
             self.__exit__(None, None, None)
             raise
@@ -170,46 +219,71 @@ class Progress:
         self.bar.close()
 
 
-def engine_counters(app: ServedApp) -> dict | None:
+def engine_counters(url: str) -> dict | None:
     """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
     tokens), from GET /v1/tokenflow/engines; None if it does not answer."""
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{app.base_url}/v1/tokenflow/engines", timeout=10) as resp:
+        with urllib.request.urlopen(f"{url}/v1/tokenflow/engines", timeout=10) as resp:
             view = json.loads(resp.read())
     except (OSError, ValueError):
         return None
     return {e["engine_id"]: (e.get("scheduler") or {}).get("stats") for e in view.get("engines", [])}
 
 
-def drive(app: ServedApp, wl: AppWorkload, label: str, timeout: float, metrics=None) -> list[dict]:
-    """One schedule against the app; each finished request also goes to
-    `metrics` (a ClientMetrics) under the run label `label`."""
+def drive_apps(urls: dict[str, str], model: str, wl: AppWorkload, timeout: float, metrics=None,
+               label: str | None = None) -> dict[str, list[dict]]:
+    """One schedule against each app of `urls` (name -> base URL) at once:
+    the same requests at the same offsets. Each finished request also goes
+    to `metrics` (a ClientMetrics) under its app's name. Records by app."""
     sched = wl.schedule()
-    bodies = [http_reader.chat_body(app.model, f"{wl.prompt} (reader {i})", wl.max_tokens, rate)
+    bodies = [http_reader.chat_body(model, f"{wl.prompt} (reader {i})", wl.max_tokens, rate)
               for i, rate in enumerate(sched.rates)]
-    progress = Progress(len(sched), label)
+    progress = Progress(len(sched) * len(urls), label or "+".join(urls))
+    key = launcher.api_key_from_env()
 
-    def on_record(record: dict) -> None:
-        progress(record)
-        if metrics is not None:
-            metrics.observe(record, app.model, label)
+    def on_record(name: str):
+        def record_one(record: dict) -> None:
+            progress(record)
+            if metrics is not None:
+                metrics.observe(record, model, name)
+        return record_one
+
+    async def every_app() -> dict[str, list[dict]]:
+        runs = [http_reader.run_schedule(url, bodies, sched.rates, sched.offsets, timeout, on_record(name), key)
+                for name, url in urls.items()]
+        return dict(zip(urls, await asyncio.gather(*runs)))
 
     try:
-        return asyncio.run(http_reader.run_schedule(app.base_url, bodies, sched.rates, sched.offsets, timeout,
-                                                    on_record, launcher.api_key_from_env()))
+        return asyncio.run(every_app())
     finally:
         progress.close()
 
 
-def calibrate(app: ServedApp, concurrency: int, tokens: int, prompt: str, timeout: float) -> dict:
-    """What the app decodes with every slot busy: `concurrency` streams at
-    once, readers too fast to matter; tokens counted over the window in
-    which all of them stream (after the last first token, before the first
-    answer ends)."""
+def drive(app: ServedApp, wl: AppWorkload, label: str, timeout: float, metrics=None) -> list[dict]:
+    """One schedule against the app, its records under the run label `label`."""
+    return drive_apps({label: app.first_url}, app.model, wl, timeout, metrics)[label]
+
+
+def calibrate(urls: dict[str, str], model: str, concurrency: int, tokens: int, prompt: str, timeout: float) -> dict:
+    """What an app decodes with every slot busy: `concurrency` streams at
+    once to each app of `urls` (all apps at once), readers too fast to
+    matter; the mean over the apps."""
     wl = AppWorkload(shape="burst", requests=concurrency, rates="10000", max_tokens=tokens, prompt=prompt)
-    records = drive(app, wl, "calibrating", timeout)
+    per_app = {name: window_rate(records) for name, records in drive_apps(urls, model, wl, timeout,
+                                                                          label="calibrating").items()}
+    return {"decode_tps": statistics.fmean(x["decode_tps"] for x in per_app.values()), "streams": concurrency,
+            "failed": sum(x["failed"] for x in per_app.values()),
+            "window_s": min(x["window_s"] for x in per_app.values()),
+            **({"per_app": per_app} if len(per_app) > 1 else {}),
+            "method": "every engine slot streaming at once through the app; client-side token times"}
+
+
+def window_rate(records: list[dict]) -> dict:
+    """Tokens per second over the window in which every stream of a
+    calibration burst streams (after the last first token, before the first
+    answer ends)."""
     ok = [r for r in records if r["ok"] and r["arrivals_s"]]
     if not ok:
         raise RuntimeError(f"calibration failed: {records[0]['error'] if records else 'no requests'}")
@@ -222,9 +296,8 @@ def calibrate(app: ServedApp, concurrency: int, tokens: int, prompt: str, timeou
         # tokens gave twice the real rate once. The whole run instead.
         start, end = first, last
     n = sum(sum(1 for t in r["arrivals_s"] if start <= t <= end) for r in ok)
-    return {"decode_tps": n / (end - start) if end > start else 0.0, "streams": concurrency,
-            "failed": len(records) - len(ok), "window_s": end - start,
-            "method": "every engine slot streaming at once through the app; client-side token times"}
+    return {"decode_tps": n / (end - start) if end > start else 0.0, "failed": len(records) - len(ok),
+            "window_s": end - start}
 
 
 # --- figures --------------------------------------------------------------------
@@ -289,33 +362,18 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
                   engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
                   slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
                   calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0,
-                  metrics_port: int | None = None) -> dict:
+                  metrics_port: int | None = None, together: bool = False) -> dict:
     out, config_path, port = bench_paths(out_dir, config, port)
-    results, records, calibration, served = {}, {}, None, {}
     metrics = ClientMetrics(metrics_port) if metrics_port is not None else None
     order = run_order(policies, wl.seed)
+    run = run_together if together else run_in_turn
+    records, counters, served, calibration, wl = run(out, config_path, wl, order, port, engines, tokenflow or {},
+                                                     timeout, ready_timeout, calibration_tokens, app_nice, metrics)
+    results = {}
     for policy in order:
-        doc = app_config(config_path, policy, port, MAX_REQUESTS, engines, tokenflow or {})
-        path = out / f"app-{policy}.yaml"
-        path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
-            if wl.load and calibration is None:
-                calibration = calibrate(app, slots(doc), calibration_tokens, wl.prompt, timeout)
-                calibration.update(load=wl.load, measured_with=policy)
-                wl = wl.at_load(calibration["decode_tps"])
-                print(json.dumps({"calibration": calibration, "requests": wl.requests,
-                                  "arrival_rate": wl.arrival_rate}), flush=True)
-            t0 = time.monotonic()
-            records[policy] = drive(app, wl, policy, timeout, metrics)
-            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0,
-                              # as the OS reports it for the running app, relative to ours
-                              "niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0),
-                              "autogroup": autogroup_of(app.proc.pid)}
-            time.sleep(0.5)  # the engines' last pushes
-            counters = engine_counters(app)
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
         # Totals since the app started, the calibration's steps included.
-        results[policy]["scheduler_stats"] = counters
+        results[policy]["scheduler_stats"] = counters[policy]
         with open(out / f"requests-{policy}.jsonl", "w") as f:
             for rec in records[policy]:
                 f.write(json.dumps(rec) + "\n")
@@ -323,13 +381,19 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
             ("mean_", "median_", "std_", "p90_"))}}), flush=True)
     summary = {
         "workload": {**wl.__dict__, "requests": wl.requests, "config": str(config), "engines": engines,
-                     "app_nice": app_nice,
+                     "app_nice": app_nice, "together": together,
                      "timing": "client-side: token times taken by the bench's HTTP client as SSE lines arrive "
-                               "from the served app (ingress, router, engines)",
+                               "from the served app (ingress, router, engines)"
+                               + ("; together: every policy's app served at once, each sent the same requests "
+                                  "at the same moments" if together else ""),
                      "calibration": calibration, "apps": served, "order": order},
         "results": results,
         "ratios_tokenflow_vs_fcfs": ratios(results, {**RATIO_KEYS, "request_goodput": "request_goodput"}),
     }
+    if together:
+        ttfts = {p: {r["id"]: r["ttft_s"] for r in recs if r["ok"]} for p, recs in records.items()}
+        if (paired := paired_ttft(ttfts)) is not None:
+            summary["paired_ttft_tokenflow_minus_fcfs"] = paired
     if metrics is not None:
         metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -338,6 +402,71 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
 
         write_plots(out, {p: plot_records(r) for p, r in records.items()}, wl)
     return summary
+
+
+def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str], port: int, engines: int | None,
+                tokenflow: dict, timeout: float, ready_timeout: float, calibration_tokens: int, app_nice: int,
+                metrics) -> tuple:
+    """Each policy's app on its own, one after another, every engine each."""
+    records, counters, served, calibration = {}, {}, {}, None
+    for policy in order:
+        doc = app_config(config_path, policy, port, MAX_REQUESTS, engines, tokenflow)
+        path = out / f"app-{policy}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
+            if wl.load and calibration is None:
+                calibration = calibrate({policy: app.first_url}, app.model, slots(doc), calibration_tokens,
+                                        wl.prompt, timeout)
+                calibration.update(load=wl.load, measured_with=policy)
+                wl = wl.at_load(calibration["decode_tps"])
+                print_calibration(calibration, wl)
+            t0 = time.monotonic()
+            records[policy] = drive(app, wl, policy, timeout, metrics)
+            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, **priority_of(app)}
+            time.sleep(0.5)  # the engines' last pushes
+            counters[policy] = engine_counters(app.first_url)
+    return records, counters, served, calibration, wl
+
+
+def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str], port: int, engines: int | None,
+                 tokenflow: dict, timeout: float, ready_timeout: float, calibration_tokens: int, app_nice: int,
+                 metrics) -> tuple:
+    """Every policy's app at once in one `serve run`, each with its share of
+    the engines; each sent the same requests at the same moments, so that
+    the machine's drift over the run meets every policy alike."""
+    doc = together_config(config_path, order, port, MAX_REQUESTS, engines, tokenflow)
+    path = out / "app-together.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    calibration = None
+    with ServedApp(path, out / "serve-together.log", ready_timeout, app_nice) as app:
+        urls = {policy: f"{app.base_url}/{policy}" for policy in order}
+        for url in urls.values():
+            if not launcher.wait_until_ready(url, app.model, ready_timeout, app.proc):
+                raise RuntimeError(f"{url} did not answer within {ready_timeout:.0f} s; see {app.log_path}")
+        if wl.load:
+            per_app_slots = slots({"applications": doc["applications"][:1]})
+            calibration = calibrate(urls, app.model, per_app_slots, calibration_tokens, wl.prompt, timeout)
+            calibration.update(load=wl.load, measured_with="together")
+            wl = wl.at_load(calibration["decode_tps"])
+            print_calibration(calibration, wl)
+        t0 = time.monotonic()
+        records = drive_apps(urls, app.model, wl, timeout, metrics)
+        run_s = time.monotonic() - t0
+        served = {p: {"config": path.name, "run_s": run_s, **priority_of(app)} for p in order}
+        time.sleep(0.5)  # the engines' last pushes
+        counters = {p: engine_counters(url) for p, url in urls.items()}
+    return records, counters, served, calibration, wl
+
+
+def print_calibration(calibration: dict, wl: AppWorkload) -> None:
+    print(json.dumps({"calibration": calibration, "requests": wl.requests, "arrival_rate": wl.arrival_rate}),
+          flush=True)
+
+
+def priority_of(app: ServedApp) -> dict:
+    """The running app's CPU priority as the OS reports it, relative to ours."""
+    return {"niceness": os.getpriority(os.PRIO_PROCESS, app.proc.pid) - os.nice(0),
+            "autogroup": autogroup_of(app.proc.pid)}
 
 
 # --- command line -------------------------------------------------------------------
@@ -359,6 +488,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--slo-stall", type=_positive_float, default=1.0,
                         help="... and at most this much total stall while its reader reads (s)")
     parser.add_argument("--engines", type=int, help="engine replicas (default: the config's num_replicas)")
+    parser.add_argument("--together", action="store_true",
+                        help="serve every policy's app at once, each with its share of the engines (at least "
+                             "one), and send each the same requests at the same moments, so that the machine's "
+                             "drift meets all alike (default: one app after another, each with every engine)")
     parser.add_argument("--port", type=int, help="HTTP port of the app under test (default: the config's)")
     parser.add_argument("--tokenflow", default="{}", help="JSON merged into the config's tokenflow block")
     parser.add_argument("--calibration-tokens", type=int, default=256)
@@ -383,6 +516,8 @@ def run(args) -> int:
         raise ValueError(f"--engines must be at least 1, got {args.engines}")
     if args.model is not None:
         raise ValueError("bench-app sends the config's model_id; change the config, not --model")
+    if args.together and len(set(args.policies)) < 2:
+        raise ValueError("--together compares policies: name two or more with --policies")
     tokenflow = json.loads(args.tokenflow)
     if not isinstance(tokenflow, dict) or "policy" in tokenflow:
         raise ValueError("--tokenflow must be a JSON object of tokenflow knobs other than policy")
@@ -397,7 +532,7 @@ def run(args) -> int:
                                 tokenflow=tokenflow, slo_ttft=args.slo_ttft, slo_stall=args.slo_stall,
                                 timeout=args.request_timeout, ready_timeout=args.ready_timeout,
                                 calibration_tokens=args.calibration_tokens, plots=not args.no_plots,
-                                app_nice=args.app_nice, metrics_port=args.metrics_port)
+                                app_nice=args.app_nice, metrics_port=args.metrics_port, together=args.together)
     except RuntimeError as e:
         print(f"tokenflow bench-app: error: {e}", file=sys.stderr)
         return 1

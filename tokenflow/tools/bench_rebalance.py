@@ -97,7 +97,7 @@ def run_bench_rebalance(out_dir: str, config: str, *, load: float, rates: str, m
     results: dict[str, list[dict]] = {r: [] for r in SETTINGS}
     with ServedApp(path, out / "serve.log", ready_timeout, niceness=10) as app:
         engines = sorted(e["engine_id"] for e in engines_view(app.base_url)["engines"])
-        cal = calibrate(app, slots(doc), 512, prompt, timeout)
+        cal = calibrate({"calibrating": app.first_url}, app.model, slots(doc), 512, prompt, timeout)
         mix = parse_rates(rates)
         mean_rate = sum(v * w for v, w in mix) / sum(w for _, w in mix)
         n = max(1, math.ceil(load * cal["decode_tps"] / len(engines) / mean_rate))

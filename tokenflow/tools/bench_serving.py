@@ -42,7 +42,7 @@ from tokenflow.serve.routing.board import DetachedBoard
 from tokenflow.serve.routing.relay import RelayActor
 from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
-from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths
+from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, share_bundles
 from tokenflow.tools.loadtest import http_reader
 
 OURS, STOCK = "tokenflow", "stock"
@@ -84,18 +84,6 @@ def stock_app(ours: dict, name: str = STOCK, route_prefix: str = STOCK_PREFIX) -
         ingress["ray_actor_options"] = {"num_cpus": a["ingress_num_cpus"]}
     return {"name": name, "route_prefix": route_prefix, "import_path": "ray.serve.llm:build_openai_app",
             "args": {"llm_configs": [llm], "ingress_deployment_config": ingress}}
-
-
-def share_bundles(entry: dict, share: float) -> None:
-    """Scale an app entry's placement-group CPUs by `share`: four engines'
-    bundles must fit on a node whose CPUs two engines' bundles take
-    (logical CPUs only; each engine's threads are set by its env)."""
-    args = entry["args"]
-    for llm in args.get("llm_configs", [args]):
-        pg = llm.get("placement_group_config") or {}
-        for bundle in pg.get("bundles", []):
-            if "CPU" in bundle:
-                bundle["CPU"] = bundle["CPU"] * share
 
 
 def combined_config(config: Path, port: int, requests: int, engines: int | None, app_args: dict | None = None) -> dict:
