@@ -12,6 +12,7 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from tokenflow.core.config import PIN_KEY
 from tokenflow.serve.failover import (
     FAILED_MESSAGE,
     LOST_MESSAGE,
@@ -20,6 +21,7 @@ from tokenflow.serve.failover import (
     bounce_if_engine_dead,
     loss_cause,
     relay,
+    unpinned,
 )
 
 
@@ -181,6 +183,22 @@ def test_a_stopping_replica_hands_its_streams_over():
     assert asyncio.run(whole()) == [sse("a"), sse("b")]
 
 
+def test_a_resend_drops_the_engine_the_request_named():
+    """A pinned request whose engine is lost goes where the slack routing
+    sends it: its re-send names no engine; the client's request is untouched."""
+    import pydantic
+
+    class Body(pydantic.BaseModel, extra="allow"):  # as vLLM's request models take extra fields
+        prompt: str
+
+    body = Body(prompt="x", **{PIN_KEY: "engine-a", "other": 1})
+    again = unpinned(body)
+    assert PIN_KEY not in again.model_extra and again.model_extra["other"] == 1 and again.prompt == "x"
+    assert body.model_extra[PIN_KEY] == "engine-a"
+    plain = Body(prompt="y")
+    assert unpinned(plain) is plain
+
+
 def test_a_continuation_after_a_shutdown_is_counted_by_its_cause():
     open_stream, _ = scripted([sse("a"), EngineLost(STOPPING)])
     seen = []
@@ -330,10 +348,14 @@ def _answer(reply, chat: bool) -> str:
     return choice["message"]["content"] if chat else choice["text"]
 
 
-def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http, opt_out=()):
+def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http, opt_out=(), pins=()):
     """Each pair's stream and whole request, interleaved, so both kinds reach
     both engines at about the same time; the last `chat_pairs` are chats;
-    the streams of the pairs in `opt_out` opt out of continuation."""
+    the streams of the pairs in `opt_out` opt out of continuation. With
+    `pins` (engine ids; the tests' app allows pinning), pair i goes to
+    pins[i % len(pins)], both kinds: every engine then holds both, which
+    the slack routing does not promise (one suite run found no engine with
+    both at once in 108 polls). Re-sends and continuations are routed anew."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(2 * pairs)
@@ -341,6 +363,8 @@ def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, 
     for i in range(pairs):
         chat = i >= pairs - chat_pairs
         stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat, i in opt_out)
+        if pins:
+            stream_body[PIN_KEY] = whole_body[PIN_KEY] = pins[i % len(pins)]
         path = "/v1/chat/completions" if chat else "/v1/completions"
         live.append(new_record())
         # Stream first in even pairs, whole first in odd ones: a burst that
@@ -430,7 +454,7 @@ def test_replica_killed_during_a_burst(serve_app):
     import httpx
 
     base, model = serve_app["base_url"], serve_app["model"]
-    _wait_engines(base, 2, timeout=300)
+    pins = [e["engine_id"] for e in _wait_engines(base, 2, timeout=300)]
     max_tokens, pairs, chat_pairs = 2000, 16, 4  # long enough that the burst is still running at the kill
     # The negative control: half the completion streams opt out of
     # continuation, of even and odd pairs, so that each engine gets some
@@ -438,7 +462,7 @@ def test_replica_killed_during_a_burst(serve_app):
     opt_out = {i for i in range(pairs - chat_pairs) if i % 4 in (1, 2)}
     http = _burst_client(base)
     lost_before = _engines(base, http)["replicas_lost"]
-    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, opt_out)
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, opt_out, pins)
 
     victim = _choose_victim(base, http, live, wholes)
     assert victim["pid"] > 0
@@ -512,11 +536,11 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     from concurrent.futures import ThreadPoolExecutor
 
     base, model = serve_app["base_url"], serve_app["model"]
-    _wait_engines(base, 2, timeout=600)
+    pins = [e["engine_id"] for e in _wait_engines(base, 2, timeout=600)]
     max_tokens, pairs, chat_pairs = 1500, 12, 3
     http = _burst_client(base)
     lost_before = _engines(base, http)["replicas_lost"]
-    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, pins=pins)
 
     victim = _choose_victim(base, http, live, wholes)
     core = _engine_core_of(victim["pid"])

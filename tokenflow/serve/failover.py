@@ -26,6 +26,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ray import exceptions as ray_exceptions
 
+from tokenflow.core.config import PIN_KEY
 from tokenflow.serve.sse import count_chunk, moved_to, sse_events
 
 logger = logging.getLogger("ray.serve")
@@ -92,6 +93,18 @@ def unavailable_response(message: str):
 # engine moved the stream to one with slack (routing/rebalance.py).
 OUTCOMES = ("resent", "continued", "ended_mid_stream", "gave_up")
 CAUSES = ("failure", "shutdown", "rebalance")
+
+
+def unpinned(body):
+    """The request for a re-send: without the engine it named
+    (`tokenflow_engine`), which is the one just lost (the slack routing
+    picks another); the request itself when it named none."""
+    extra = getattr(body, "model_extra", None)
+    if not extra or PIN_KEY not in extra:
+        return body
+    body = body.model_copy()
+    body.model_extra.pop(PIN_KEY)
+    return body
 
 
 def loss_cause(e: BaseException) -> str:

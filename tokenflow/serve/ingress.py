@@ -157,8 +157,12 @@ class TokenFlowIngress(OpenAiIngress):
             return attempts.open(lambda: super(TokenFlowIngress, self)._get_response(
                 body=request, call_method=method, raw_request=raw_request))
 
+        sends = 0
+
         def open_stream():
-            gen = call(body, call_method)
+            nonlocal sends
+            sends += 1
+            gen = call(body if sends == 1 else failover.unpinned(body), call_method)
             return ledger.watch(gen) if ledger is not None else gen
 
         def continue_after(to: str | None):
