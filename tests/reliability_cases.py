@@ -271,6 +271,11 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
   another one. Chunks without a token (a chat stream's role chunk) are held
   back until the first token, so a re-sent stream never shows two openings.
   With every re-send failed too: HTTP 503 `ServiceUnavailableError`.
+  A request pinned to an engine (`tokenflow_engine`, where
+  `admission.engine_pinning` allows it) is re-sent without its pin: the
+  engine it named is the one lost. (The live kill tests pin each pair of
+  their burst to an engine, so that the victim holds both kinds; left to
+  the slack routing, one suite run found no engine holding both.)
 - **Tokens already delivered**: the stream is continued on another engine
   (tokenflow/serve/continuation.py), up to `admission.max_continuations` (2)
   times. See "Stream continuation" below. A stream that cannot be continued
