@@ -32,6 +32,9 @@ def test_a_hundred_engines_are_routed_by_slack_from_fresh_states(tmp_path):
     # A choice is judged by its own CPU time: on 2 shared cores its wall time at P99 is mostly the waits for a
     # core (one CI run: 5.1 ms wall, 1.4 ms CPU). The wall bound only catches a choice that waits on a call.
     assert row["age_p99_ms"] < 1000 and row["choose_cpu_p99_ms"] < 5 and row["choose_p99_ms"] < 50, row
+    # Where the age goes: a row waits in its relay at most about a push interval, and in the ingress at most
+    # about a refresh interval (0.1 s and 0.05 s here), less than the whole age.
+    assert 0 < row["relay_wait_p50_ms"] <= row["age_p50_ms"] and 0 < row["since_answer_p50_ms"] <= row["age_p50_ms"], row
     assert "| engines |" in r.stdout and "wrote" in r.stdout
 
 
@@ -40,3 +43,5 @@ def test_bad_arguments_get_a_message_and_exit_2():
     assert r.returncode == 2 and "--engines" in r.stderr, r.stderr
     r = bench_router("--seconds", "inf", timeout=60)
     assert r.returncode == 2 and "--seconds" in r.stderr, r.stderr
+    r = bench_router("--relay-interval", "0", timeout=60)
+    assert r.returncode == 2 and "--relay-interval" in r.stderr, r.stderr

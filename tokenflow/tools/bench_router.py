@@ -170,8 +170,12 @@ class Fleet:
         self.gaps: list[float] = []  # (best slack - chosen slack) / horizon, per arrival in the window
         self.percentiles: list[float] = []
         self.pushes = 0
+        self.relay_wait: list[float] = []  # seconds from a state's making to its relay's send, in the window
 
     async def _send(self, shard: int, states: list[dict]) -> None:
+        now = time.time()
+        if self.window[0] <= now <= self.window[1]:
+            self.relay_wait.extend(now - st["sent_at"] for st in states)
         await self.boards[shard].push_many.remote(states)
 
     def _counts(self) -> tuple[int, int]:
@@ -208,7 +212,8 @@ class Fleet:
         at_end = at_end or (time.process_time(), *self._counts())
         at_start = at_start or at_end
         return {"cpu_s": at_end[0] - at_start[0], "states": at_end[1] - at_start[1],
-                "messages": at_end[2] - at_start[2], "gaps": self.gaps, "percentiles": self.percentiles}
+                "messages": at_end[2] - at_start[2], "gaps": self.gaps, "percentiles": self.percentiles,
+                "relay_wait": self.relay_wait}
 
     def arrive(self, ids: list[str]) -> None:
         now = time.time()
@@ -243,9 +248,14 @@ class Ingress:
         self.snapshots = 0
         self.bytes = 0
         self.sampled = 0
+        self.arrived: dict[str, float] = {}  # when each engine's row last came in a snapshot (table clock)
+        self.since_answer: list[float] = []  # per decision: seconds since the chosen row came, in the window
 
     def _on_snapshot(self, snap: dict, part: int) -> None:
         self.table.update(snap, part)
+        now = time.monotonic()  # the table's clock
+        for eid in snap:
+            self.arrived[eid] = now
         self.snapshots += 1
         if self.snapshots % 4 == 1:  # measure a quarter of them: pickling costs too
             self.bytes += len(pickle.dumps(snap))
@@ -264,6 +274,7 @@ class Ingress:
             chosen = order[0]
             ranks = [[by_id[e]] for e in order]  # noqa: F841 (what Serve gets back)
             self.table.record(time.perf_counter() - start, chosen)
+            self.since_answer.append(time.monotonic() - self.arrived.get(chosen, time.monotonic()))
         self.table.on_sent(chosen)
         self.choose_cpu.add(time.thread_time() - cpu)  # without the time other processes took the core
         return chosen
@@ -288,6 +299,7 @@ class Ingress:
                 self.table.latency, self.table.state_age = LatencyStats(), LatencyStats()
                 self.choose_cpu = LatencyStats()
                 self.table.fallbacks = 0
+                self.since_answer = []
                 snap0, bytes0, sampled0, cpu0 = self.snapshots, self.bytes, self.sampled, time.process_time()
             while due <= now:  # Poisson arrivals that are due
                 due += self.rng.expovariate(self.rate)
@@ -307,7 +319,8 @@ class Ingress:
                "choose_cpu_ms": self.choose_cpu.summary(),
                "snapshots_per_s": (self.snapshots - snap0) / elapsed,
                "bytes_per_snapshot": (self.bytes - bytes0) / max(1, self.sampled - sampled0),
-               "cpu_util": cpu / elapsed, "table_rows": len(self.table._states)}
+               "cpu_util": cpu / elapsed, "table_rows": len(self.table._states),
+               "since_answer": list(self.since_answer)}
         row["bytes_per_s"] = row["bytes_per_snapshot"] * row["snapshots_per_s"]
         # Back to back: how many decisions one ingress could make per second.
         t0 = time.perf_counter()
@@ -328,14 +341,18 @@ def _pct(xs: list[float], p: float) -> float | None:
 
 def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, warmup: float, shards: int,
             head_size: int, push_interval: float, fleets: int, seed: int, relay: bool = False,
-            engines_per_node: int = 8) -> dict:
+            engines_per_node: int = 8, refresh_interval: float | None = None,
+            relay_interval: float | None = None) -> dict:
     import ray
 
     from tokenflow.serve.routing import board
     from tokenflow.serve.routing.ranking import RoutingSettings
 
     app = f"bench-router-{n}-{shards}-{head_size}-{int(relay)}-{os.getpid()}"
-    settings = RoutingSettings(push_interval_s=push_interval, refresh_interval_s=push_interval,
+    # The router's defaults, as fractions of the push interval.
+    refresh = push_interval / 2 if refresh_interval is None else refresh_interval
+    relay_gap = push_interval if relay_interval is None else relay_interval
+    settings = RoutingSettings(push_interval_s=push_interval, refresh_interval_s=refresh, relay_interval_s=relay_gap,
                                board_shards=shards, head_size=head_size, node_relay=relay).to_dict()
     ids = [f"engine-{i:05d}" for i in range(n)]
     fleets = max(1, min(fleets, n))
@@ -373,6 +390,8 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     messages = sum(a["messages"] - b["messages"] for a, b in zip(after, before)) / seconds
     board_cpu = [(a["cpu_s"] - b["cpu_s"]) / seconds for a, b in zip(after, before)]
     gaps = [g for f in fls for g in f["gaps"]]
+    waits = [w for f in fls for w in f["relay_wait"]]
+    since = [x for i in ins for x in i["since_answer"]]
     pcts = [p for f in fls for p in f["percentiles"]]
     choose = [i["choose_ms"] for i in ins]
     age = [i["age_ms"] for i in ins]
@@ -397,6 +416,11 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
         "rows_per_ingress": max(i["table_rows"] for i in ins),
         "ingress_cpu_util_max": round(max(i["cpu_util"] for i in ins), 3),
         "fleet_cpu_util": round(sum(f["cpu_s"] for f in fls) / seconds, 3),
+        # Where a state's age at decision goes: waiting in its node's relay
+        # (relays only), and in the ingress's table since the poll answer
+        # that brought it (the rest: the board and the hops to it).
+        "relay_wait_p50_ms": _ms(_pct(waits, 0.5)), "relay_wait_p99_ms": _ms(_pct(waits, 0.99)),
+        "since_answer_p50_ms": _ms(_pct(since, 0.5)), "since_answer_p99_ms": _ms(_pct(since, 0.99)),
         "slack_gap_readers_p50": _round(_pct(gaps, 0.5)), "slack_gap_readers_p99": _round(_pct(gaps, 0.99)),
         "slack_percentile_mean": _round(sum(pcts) / len(pcts) if pcts else None),
     }
@@ -408,6 +432,10 @@ def run_one(n: int, *, ingresses: int, per_engine_rate: float, seconds: float, w
     row["board_saturated"] = messages < 0.9 * row["messages_sent_per_s"] or max(board_cpu) > 0.9
     row["board_ms_per_message"] = round(1000 * sum(board_cpu) / messages, 3) if messages else None
     return row
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
 
 
 def _round(x: float | None, nd: int = 2) -> float | None:
@@ -481,6 +509,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--push-interval", type=float, default=0.1)
+    parser.add_argument("--refresh-interval", type=float, default=None,
+                        help="least time (s) between an ingress's long polls of a board (default: half the push interval)")
+    parser.add_argument("--relay-interval", type=float, default=None,
+                        help="least time (s) between two messages of a node's relay (default: the push interval)")
     parser.add_argument("--fleets", type=int, default=2, help="processes the stand-in engines live in")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-plots", action="store_true")
@@ -505,7 +537,8 @@ def run(args) -> int:
         for name in ("ingresses", "fleets", "engines_per_node"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        for name in ("rate", "seconds", "push_interval"):
+        for name in ("rate", "seconds", "push_interval") + tuple(
+                n for n in ("refresh_interval", "relay_interval") if getattr(args, n) is not None):
             if not getattr(args, name) > 0 or math.isinf(getattr(args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
         if args.warmup < 0:
@@ -530,7 +563,8 @@ def run(args) -> int:
             bar.set_postfix(engines=n, boards=shards, head=head, relay=relay, refresh=True)
             row = run_one(n, ingresses=args.ingresses, per_engine_rate=args.rate, seconds=args.seconds,
                           warmup=args.warmup, shards=shards, head_size=head, push_interval=args.push_interval,
-                          fleets=args.fleets, seed=args.seed, relay=relay, engines_per_node=args.engines_per_node)
+                          fleets=args.fleets, seed=args.seed, relay=relay, engines_per_node=args.engines_per_node,
+                          refresh_interval=args.refresh_interval, relay_interval=args.relay_interval)
             rows.append(row)
             tqdm.write(json.dumps(row), file=sys.stderr)
     finally:

@@ -52,11 +52,13 @@ class RoutingSettings(Settings):
                                                      "then skipped (a dead or hung engine stops pushing; Serve's "
                                                      "health checks then replace it). No fresh engine at all: "
                                                      "Serve's default routing.")
-    refresh_interval_s: Positive = Field(0.1, description="Least time (s) between two long polls of the state "
-                                                          "board by one ingress (each is answered on the next "
-                                                          "push): at most this many snapshots reach an ingress "
-                                                          "per second, however many engines push. Set it to the "
-                                                          "push interval.")
+    refresh_interval_s: Positive = Field(0.05, description="Least time (s) between two long polls of the state "
+                                                           "board by one ingress (each is answered on the next "
+                                                           "push): at most one snapshot per this interval reaches "
+                                                           "an ingress, however many engines push, and a row waits "
+                                                           "in it at most this long before a newer one comes. Half "
+                                                           "the push interval: at 1,000 engines it kept the state "
+                                                           "age at decision under 250 ms (docs/SCALING.md).")
     horizon_s: Positive = Field(10.0, description="How far ahead (s) slack looks (H).")
     capacity_tps: Positive = Field(1000.0, description="Decode tokens/s assumed for an engine until it shows "
                                                        "more.")
@@ -70,8 +72,11 @@ class RoutingSettings(Settings):
                                                 "their states to the boards in one message per board and "
                                                 "relay_interval_s (relay.py). For many engines per node or many "
                                                 "nodes: a board's cost is per message.")
-    relay_interval_s: Positive = Field(0.05, description="Least time (s) between two messages of a node's relay to "
-                                                         "one board; what arrives meanwhile goes in the next.")
+    relay_interval_s: Positive = Field(0.1, description="Least time (s) between two messages of a node's relay to "
+                                                        "one board; what arrives meanwhile goes in the next. The "
+                                                        "push interval: each engine's state goes in the next "
+                                                        "message, and a board takes one message per node per push "
+                                                        "interval (docs/SCALING.md).")
     head_size: Count = Field(64, description="Engines the state boards name per long poll, all boards together "
                                              "(each its share, rounded up): those with the most slack, or all of "
                                              "them when there are no more. Bounds what an ingress reads and ranks "
