@@ -634,6 +634,10 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     base, model = serve_app["base_url"], serve_app["model"]
     engines = _wait_engines(base, 2, timeout=600)
     deployment = engines[0]["replica"].split("#")[1]  # SERVE_REPLICA::<app>#<deployment>#<id>
+    # Pinned, so that both engines hold streams whichever one Serve stops:
+    # left to the slack routing (which may put a burst on one engine), the
+    # replica Serve stopped in one CI run held no stream to hand over.
+    pins = [e["engine_id"] for e in engines]
     with open(TEST_CONFIG) as f:
         config = yaml.safe_load(f)
     fewer = json.loads(json.dumps(config))
@@ -642,7 +646,7 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     max_tokens, pairs, chat_pairs = 1500, 8, 2
     http = _burst_client(base)
     before = _engines(base, http)
-    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http)
+    pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, pins=pins)
     try:
         _streams_started(live)
         stopped_at = time.monotonic()
