@@ -194,7 +194,9 @@ The OpenAI ingress runs one ASGI middleware outside everything else:
   <admission.retry_after_s, rounded up>` instead of waiting in an unbounded
   queue. If the engine deployment is given Ray Serve's
   `deployment_config.max_queued_requests`, Serve's BackPressureError (a 503
-  in Ray 2.60) is rewritten to the same 429 + Retry-After.
+  in Ray 2.60) is rewritten to the same 429 + Retry-After. The slots in
+  use show in `admission` of `GET /v1/tokenflow/engines`
+  (`requests_in_flight`, `max_ongoing_requests`, `gets_in_flight`).
 - **Body size and time**: bodies over `admission.max_body_bytes` (8 MiB)
   get HTTP 413 before they are parsed; a body not received within
   `admission.body_timeout_s` (30 s) gets 408 and gives its admission slot

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from tokenflow.serve import guard
-from tokenflow.serve.guard import AdmissionSettings, TokenFlowGuard, load_api_keys
+from tokenflow.serve.guard import AdmissionSettings, TokenFlowGuard, admission_view, load_api_keys
 
 
 def make_app(gate: asyncio.Event | None = None) -> FastAPI:
@@ -296,10 +296,14 @@ def test_slow_body_gets_408_and_frees_its_slot():
         yield b'"x"}'
 
     async def scenario():
-        r = await call(asgi, "POST", "/v1/completions", content=trickle(),
-                       headers={"content-type": "application/json"})
-        assert_openai_error(r, 408, "RequestTimeoutError")
-        assert asgi.ongoing == 0
+        slow = asyncio.ensure_future(call(asgi, "POST", "/v1/completions", content=trickle(),
+                                          headers={"content-type": "application/json"}))
+        await asyncio.sleep(0.1)
+        # GET /v1/tokenflow/engines shows the slot held (guard.admission_view).
+        held = admission_view()
+        assert held["requests_in_flight"] == 1, held
+        assert_openai_error(await slow, 408, "RequestTimeoutError")
+        assert asgi.ongoing == 0 and admission_view()["requests_in_flight"] == 0
         good = await call(asgi, "POST", "/v1/completions", json={"prompt": "y"})
         assert good.status_code == 200
     run(scenario())

@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from typing import Iterable, Optional
 
 from pydantic import Field
@@ -216,6 +217,20 @@ def sequences(path: str, body: dict) -> int:
     return n
 
 
+# The guards of this process (one per app the ingress builds), so that
+# GET /v1/tokenflow/engines can show the admission slots in use: read when
+# asked, nothing counted per request beyond the slot itself.
+_GUARDS: "weakref.WeakSet[TokenFlowGuard]" = weakref.WeakSet()
+
+
+def admission_view() -> dict:
+    """POSTs and GETs in flight in this process's guards, and their bounds."""
+    guards = list(_GUARDS)
+    return {"requests_in_flight": sum(g.ongoing for g in guards),
+            "max_ongoing_requests": next((g.settings.max_ongoing_requests for g in guards), None),
+            "gets_in_flight": sum(g.ongoing_gets for g in guards)}
+
+
 class TokenFlowGuard:
     """Pure ASGI middleware (no response buffering, streams pass through)."""
 
@@ -245,6 +260,7 @@ class TokenFlowGuard:
         self._timed = any(x is not None for x in (st.first_token_timeout_s, st.request_timeout_s, st.keepalive_s))
         retry = str(max(1, math.ceil(self.settings.retry_after_s))).encode()
         self._retry_header = (b"retry-after", retry)
+        _GUARDS.add(self)
 
     @property
     def auth_enabled(self) -> bool:

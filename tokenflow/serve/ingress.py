@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.llm.ingress import OpenAiIngress
 
-from tokenflow.serve import continuation, failover, kv_pool
+from tokenflow.serve import continuation, failover, guard, kv_pool
 from tokenflow.serve.ray_private import DEFAULT_ENDPOINTS
 from tokenflow.serve.routing import board, ranking
 
@@ -217,7 +217,8 @@ class TokenFlowIngress(OpenAiIngress):
     async def tokenflow_engines(self):
         """Every engine's pushed state as the state board holds it (age,
         freshness, slack), and the view of each request router in this
-        ingress process (pending sends, routing latency, state age)."""
+        ingress process (pending sends, routing latency, state age), and
+        its admission slots in use."""
         app = serve.get_replica_context().app_name
         try:
             s = self._tf_settings
@@ -244,4 +245,5 @@ class TokenFlowIngress(OpenAiIngress):
                 "routers": {k: t.view() for k, t in list(board.LOCAL_ROUTERS.items())},
                 "replicas_lost": dict(self._tf_lost),
                 "replicas_lost_by_cause": dict(self._tf_lost_by_cause),
+                "admission": guard.admission_view(),
                 "kv_pools": pools}
