@@ -400,9 +400,9 @@ def _check_continued(stream_recs, whole_replies, pairs: int, chat_pairs: int, ma
         assert s["text"] == text, (f"pair {i}: the stream's text is not the greedy answer ({what}); from char {k}",
                                    s["text"][max(0, k - 20):k + 40], text[max(0, k - 20):k + 40])
         assert s["token_ids"] == (ids or []), f"pair {i}: the ids shown are not the answer's ({what})"
-    stalls = [round(_stall_s(s, killed_at), 2) for i, s in enumerate(stream_recs) if i not in opt_out]
+    stalls = {i: round(_stall_s(s, killed_at), 2) for i, s in enumerate(stream_recs) if i not in opt_out}
     print(f"{what}: readers' stall at {READ_RATE} tokens/s after the kill, per stream (s): {stalls}, "
-          f"total {sum(stalls):.2f}")
+          f"total {sum(stalls.values()):.2f}")
     return stalls
 
 
@@ -431,10 +431,27 @@ def _check_cut(stream_recs, whole_replies, opt_out, max_tokens: int) -> int:
 # victim's work. Measured, per stream: 0-0.5 s in runs of the module, up to
 # 2.1 s in a full suite run, 4-12 s for every stream, the survivor's own
 # included, in one run; 0-1.4 s with only the engine core killed (no
-# replacement starts during the burst). The bound catches a continuation
-# that waited for a timeout or went back to the lost engine; one that never
-# came fails the checks above.
+# replacement starts during the burst); 17-34 s for every stream in one CI
+# run on a slower machine. The bound catches a continuation that waited for
+# a timeout or went back to the lost engine; one that never came fails the
+# checks above. Where the machine starved every stream past it, a stream
+# handed over may stall at most STALL_MARGIN_S more than the survivor's own
+# streams did: the same machine, the same seconds, no move.
 STALL_BOUND_S = 30.0
+STALL_MARGIN_S = 15.0
+
+
+def _assert_stalls(stalls: dict, moved: set) -> None:
+    """`stalls` by pair; `moved`: the pairs whose streams the lost engine held."""
+    if max(stalls.values()) < STALL_BOUND_S:
+        return
+    own = [v for i, v in stalls.items() if i not in moved]
+    handed = [v for i, v in stalls.items() if i in moved]
+    print(f"past {STALL_BOUND_S:g} s: streams handed over stalled at most {max(handed, default=0)} s, "
+          f"the survivor's own at most {max(own, default=0)} s")
+    assert own and handed, ("every stream stalled long, none to compare with", stalls, moved)
+    assert max(handed) < max(own) + STALL_MARGIN_S, (
+        f"streams handed over stalled {max(handed)} s, the survivor's own at most {max(own)} s", stalls, moved)
 
 
 @pytest.mark.slow
@@ -483,7 +500,7 @@ def test_replica_killed_during_a_burst(serve_app):
     print(f"a replica killed: {cut} of {len(opt_out)} opted-out streams cut, {lost}")
     assert cut >= 1, "no opted-out stream was on the killed engine: the control showed nothing"
     assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["ended_mid_stream"] == cut, lost
-    assert max(stalls) < STALL_BOUND_S, stalls
+    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] == victim["engine_id"]})
 
     # Serve restarts the replica (a new id); the router then sends it work.
     (newcomer, *_) = [e for e in _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -573,7 +590,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     lost = {k: v - lost_before.get(k, 0) for k, v in _engines(base)["replicas_lost"].items()}
     assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["gave_up"] == 0, lost
     assert lost["ended_mid_stream"] == 0, lost
-    assert max(stalls) < STALL_BOUND_S, stalls
+    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] == victim["engine_id"]})
 
     # Serve's health check replaces the replica; later tests get two engines again.
     _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -676,7 +693,7 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, (
         lost, "no stream was handed over: the stopped replica held none, or Serve stopped it after they ended")
     assert causes["shutdown"] >= 1 and causes["failure"] == 0, causes
-    assert max(stalls) < STALL_BOUND_S, stalls
+    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] not in left})
 
 
 def _serve_replicas(deployment: str) -> dict[str, str]:
@@ -684,7 +701,7 @@ def _serve_replicas(deployment: str) -> dict[str, str]:
     API (what `serve status` shows)."""
     import httpx
 
-    r = httpx.get("http://127.0.0.1:8265/api/serve/applications/", headers=_ray_auth(), timeout=60)
+    r = httpx.get("http://127.0.0.1:8265/api/serve/applications/", headers=_ray_auth(), timeout=120)
     assert r.status_code == 200, (r.status_code, r.text[:2000])
     (app,) = r.json()["applications"].values()
     return {x["replica_id"]: x["state"] for x in app["deployments"][deployment]["replicas"]}
@@ -708,6 +725,7 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
+    import httpx
     import yaml
 
     from tests.conftest import TEST_CONFIG
@@ -740,10 +758,17 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
         redeployed_at = time.monotonic()
         _serve_deploy(changed)
         deadline, fresh = time.monotonic() + 600, []
+        slow_polls = 0
         while time.monotonic() < deadline:
             send_pair()
             time.sleep(REDEPLOY_PAIR_GAP_S)
-            fresh = [e for e in _engines(base, http)["engines"] if e["fresh"]]
+            try:
+                fresh = [e for e in _engines(base, http)["engines"] if e["fresh"]]
+            except httpx.TimeoutException:
+                # While the ingress is replaced on 2 busy cores a poll can
+                # wait past its 30 s (one CI run); the pairs are what is judged.
+                slow_polls += 1
+                continue
             if len(fresh) == 2 and not {e["engine_id"] for e in fresh} & old_engines:
                 break
         rolled_at = time.monotonic()
@@ -751,14 +776,16 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
         whole_replies = [f.result(timeout=600) for f in wholes]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    print(f"a redeploy: {len(streams)} pairs over a rollout of {rolled_at - redeployed_at:.0f} s")
+    print(f"a redeploy: {len(streams)} pairs over a rollout of {rolled_at - redeployed_at:.0f} s, "
+          f"{slow_polls} polls timed out")
     assert not {e["engine_id"] for e in fresh} & old_engines and len(fresh) == 2, fresh
     stalls = []
     for k, chat in enumerate((False, True)):  # _check_continued takes the chats last
         idx = [i for i, c in enumerate(chats) if c == chat]
         stalls += _check_continued([stream_recs[i] for i in idx], [whole_replies[i] for i in idx],
-                                   len(idx), len(idx) if chat else 0, REDEPLOY_TOKENS, "a redeploy", redeployed_at)
-    assert max(stalls) < STALL_BOUND_S, stalls
+                                   len(idx), len(idx) if chat else 0, REDEPLOY_TOKENS, "a redeploy",
+                                   redeployed_at).values()
+    assert max(stalls) < STALL_BOUND_S, stalls  # every engine was replaced: none to compare with
     # The old ingress is gone, a new one serves; the old engines' streams were
     # handed over (counted by the ingress that relayed them: the new one, for
     # the streams it had begun to relay before the last old engine stopped).
