@@ -348,6 +348,16 @@ def _answer(reply, chat: bool) -> str:
     return choice["message"]["content"] if chat else choice["text"]
 
 
+def _pin_of(pins, i: int) -> str:
+    """The engine _burst pins pair i to."""
+    return pins[i % len(pins)]
+
+
+def _pairs_on(pins, pairs: int, engines) -> set:
+    """The pairs of a pinned burst that went to any of `engines`."""
+    return {i for i in range(pairs) if _pin_of(pins, i) in engines}
+
+
 def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, http, opt_out=(), pins=()):
     """Each pair's stream and whole request, interleaved, so both kinds reach
     both engines at about the same time; the last `chat_pairs` are chats;
@@ -364,7 +374,7 @@ def _burst(base: str, model: str, pairs: int, chat_pairs: int, max_tokens: int, 
         chat = i >= pairs - chat_pairs
         stream_body, whole_body = _pair_bodies(model, i, max_tokens, chat, i in opt_out)
         if pins:
-            stream_body[PIN_KEY] = whole_body[PIN_KEY] = pins[i % len(pins)]
+            stream_body[PIN_KEY] = whole_body[PIN_KEY] = _pin_of(pins, i)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         live.append(new_record())
         # Stream first in even pairs, whole first in odd ones: a burst that
@@ -500,7 +510,7 @@ def test_replica_killed_during_a_burst(serve_app):
     print(f"a replica killed: {cut} of {len(opt_out)} opted-out streams cut, {lost}")
     assert cut >= 1, "no opted-out stream was on the killed engine: the control showed nothing"
     assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["ended_mid_stream"] == cut, lost
-    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] == victim["engine_id"]})
+    _assert_stalls(stalls, _pairs_on(pins, pairs, {victim["engine_id"]}))
 
     # Serve restarts the replica (a new id); the router then sends it work.
     (newcomer, *_) = [e for e in _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -590,7 +600,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     lost = {k: v - lost_before.get(k, 0) for k, v in _engines(base)["replicas_lost"].items()}
     assert lost["continued"] >= 1 and lost["resent"] >= 1 and lost["gave_up"] == 0, lost
     assert lost["ended_mid_stream"] == 0, lost
-    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] == victim["engine_id"]})
+    _assert_stalls(stalls, _pairs_on(pins, pairs, {victim["engine_id"]}))
 
     # Serve's health check replaces the replica; later tests get two engines again.
     _wait_engines(base, 2, timeout=600, exclude={victim["engine_id"]})
@@ -693,7 +703,7 @@ def test_a_scale_down_through_serve_hands_its_streams_over(serve_app):
     assert lost["continued"] >= 1 and lost["ended_mid_stream"] == 0 and lost["gave_up"] == 0, (
         lost, "no stream was handed over: the stopped replica held none, or Serve stopped it after they ended")
     assert causes["shutdown"] >= 1 and causes["failure"] == 0, causes
-    _assert_stalls(stalls, {i for i in range(pairs) if pins[i % len(pins)] not in left})
+    _assert_stalls(stalls, _pairs_on(pins, pairs, set(pins) - set(left)))
 
 
 def _serve_replicas(deployment: str) -> dict[str, str]:

@@ -226,8 +226,9 @@ _GUARDS: "weakref.WeakSet[TokenFlowGuard]" = weakref.WeakSet()
 def admission_view() -> dict:
     """POSTs and GETs in flight in this process's guards, and their bounds."""
     guards = list(_GUARDS)
+    bounds = [g.settings.max_ongoing_requests for g in guards]  # each guard bounds its own
     return {"requests_in_flight": sum(g.ongoing for g in guards),
-            "max_ongoing_requests": next((g.settings.max_ongoing_requests for g in guards), None),
+            "max_ongoing_requests": None if not bounds or None in bounds else sum(bounds),
             "gets_in_flight": sum(g.ongoing_gets for g in guards)}
 
 
