@@ -718,7 +718,12 @@ def _serve_replicas(deployment: str) -> dict[str, str]:
 
 
 # Seconds between the pairs sent while a redeploy rolls out, and their length.
-REDEPLOY_PAIR_GAP_S, REDEPLOY_TOKENS = 1.5, 500
+# A rollout runs on one engine while the other is replaced, so the pairs ask
+# what one engine carries on the slowest machine seen: a pair every 1.5 s
+# (about 670 tokens/s) outran one engine of a slow CI machine (about 300
+# tokens/s) while the new engine's start shared its two cores, and every
+# stream then running stalled up to 57 s.
+REDEPLOY_PAIR_GAP_S, REDEPLOY_TOKENS = 3.0, 500
 
 
 @pytest.mark.slow
