@@ -166,7 +166,8 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--engines", "1", "--port", "8017",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
-         "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs", "--out", str(out)],
+         "--readers-per-slot", "0", "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -180,7 +181,8 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
     assert all(a["autogroup"] is None or a["autogroup"].endswith("nice 5") for a in wl["apps"].values())
     cal = wl["calibration"]
     assert cal["decode_tps"] > 0 and cal["load"] == 0.6 and cal["failed"] == 0
-    assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))  # mean reading rate 25
+    # sized by the rates alone (mean reading rate 25), as asked
+    assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0)) and wl["rate_scale"] == 1.0
     n = wl["requests"]
     assert set(summary["results"]) == {"fcfs", "tokenflow"}
     for name, res in summary["results"].items():
@@ -216,7 +218,8 @@ def test_bench_app_together_serves_every_policy_at_once(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--together", "--port", "8019",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
-         "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs", "--no-plots", "--out", str(out)],
+         "--readers-per-slot", "0.5", "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs",
+         "--no-plots", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -232,8 +235,14 @@ def test_bench_app_together_serves_every_policy_at_once(tmp_path):
     cal = wl["calibration"]
     assert set(cal["per_app"]) == {"tokenflow", "fcfs"} and all(x["decode_tps"] > 0 for x in cal["per_app"].values())
     assert cal["measured_with"] == "together" and cal["failed"] == 0
-    assert wl["requests"] == max(1, round(0.6 * cal["decode_tps"] / 25.0))
-    n = wl["requests"]
+    # At least half a reader per slot of the app's one engine (32 slots), the
+    # rates scaled down where that is more than the rates give, so that the
+    # readers still need 0.6x of what was measured.
+    n, by_rate = wl["requests"], max(1, round(0.6 * cal["decode_tps"] / 25.0))
+    assert n == max(by_rate, 16), (n, cal)
+    assert wl["rate_scale"] == (1.0 if n == by_rate else pytest.approx(0.6 * cal["decode_tps"] / (25.0 * n)))
+    rates = [json.loads(x)["rate"] for x in (out / "requests-fcfs.jsonl").read_text().splitlines()]
+    assert all(any(r == pytest.approx(v * wl["rate_scale"], rel=1e-3) for v in (10, 40)) for r in rates), rates
     engine_ids = []
     for name, res in summary["results"].items():
         assert res["completed"] == n and res["failed"] == 0 and res["total_output_tokens"] == 32 * n, name
@@ -246,6 +255,35 @@ def test_bench_app_together_serves_every_policy_at_once(tmp_path):
     assert paired["requests"] == n and paired["p1_s"] <= paired["p50_s"] <= paired["p99_s"]
     with socket.socket() as sock:  # both apps are gone
         assert sock.connect_ex(("127.0.0.1", 8019)) != 0
+
+
+def test_a_burst_sized_by_load_outnumbers_the_slots_and_keeps_the_load():
+    """The readers need load x capacity either way; where the rates give
+    fewer readers than `per_slot` per slot, there are that many, slower."""
+    from dataclasses import replace
+
+    from tokenflow.tools.bench_app import AppWorkload
+    from tokenflow.tools.loadtest.shapes import parse_rates
+
+    def need(wl):
+        mix = parse_rates(wl.rates)
+        return wl.requests * sum(v * w for v, w in mix) / sum(w for _, w in mix)
+
+    base = AppWorkload(shape="burst", requests=1, rates="10:0.5,20:0.3,40:0.2", max_tokens=512, prompt="p",
+                       load=1.4, per_slot=2.0)
+    gpu = base.at_load(decode_tps=20_000.0, slots=256)  # the rates give 1,474 readers, past 512
+    assert (gpu.requests, gpu.rates, gpu.rate_scale) == (1474, base.rates, 1.0)
+    cpu = base.at_load(decode_tps=600.0, slots=64)  # the rates give 44 readers, under 128
+    assert cpu.requests == 128 and cpu.rate_scale < 1 and need(cpu) == pytest.approx(1.4 * 600.0, rel=1e-3)
+    assert [w for _, w in parse_rates(cpu.rates)] == [0.5, 0.3, 0.2]  # the mix's shape is kept
+    unscaled = replace(base, per_slot=0.0).at_load(600.0, 64)
+    assert (unscaled.requests, unscaled.rates, unscaled.rate_scale) == (44, base.rates, 1.0)
+    bursts = AppWorkload(shape="bursts", requests=1, rates="20", max_tokens=64, prompt="p", load=0.6,
+                         bursts=3, period=10.0, per_slot=1.0).at_load(600.0, 32)  # 18 a burst by the rate
+    assert bursts.requests == 3 * 32 and need(bursts) == pytest.approx(3 * 0.6 * 600.0, rel=1e-3)
+    poisson = AppWorkload(shape="poisson", requests=50, rates="20", max_tokens=100, prompt="p", arrival_rate=1.0,
+                          load=0.3, per_slot=2.0).at_load(600.0, 64)
+    assert (poisson.requests, poisson.rates, poisson.arrival_rate) == (50, "20", pytest.approx(1.8))
 
 
 def test_both_benches_rotate_the_order_with_the_seed():

@@ -17,7 +17,9 @@ and the apps share the machine.
 `--load F` first measures what the app decodes (the first policy's app,
 every slot of every engine streaming at once; together: every app at once,
 their mean) and sizes the workload to F x that, so one command means the
-same contention on any machine.
+same contention on any machine: a burst's readers together read F x
+capacity, and are at least twice the engines' slots (`--readers-per-slot`),
+slower where needed, since readers outnumber a GPU's slots.
 
 OUT gets requests-<policy>.jsonl, summary.json (the schema of `tokenflow
 bench`, plus SLO goodput and vLLM's benchmark fields under its names),
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import os
 import socket
 import statistics
@@ -65,21 +68,36 @@ class AppWorkload:
     period: float | None = None
     seed: int = 0
     load: float | None = None  # share of the measured capacity the readers need
+    per_slot: float = 0.0  # a burst sized by load has at least this many readers per engine slot
+    rate_scale: float = 1.0  # what at_load multiplied the mix's rates by to keep the load (1: unscaled)
 
     def schedule(self) -> Schedule:
         return make_schedule(self.shape, self.requests, self.rates, arrival_rate=self.arrival_rate, cv=self.cv,
                              bursts=self.bursts, period=self.period, seed=self.seed)
 
-    def at_load(self, decode_tps: float) -> "AppWorkload":
+    def at_load(self, decode_tps: float, slots: int) -> "AppWorkload":
         """A burst (or each of the bursts) of as many readers as together read
         load x capacity; Poisson or gamma arrivals bringing load x capacity
-        tokens/s."""
+        tokens/s.
+
+        A burst also has at least `per_slot` readers per engine slot. On a
+        GPU, readers at 4-40 tokens/s who need a share of its capacity
+        outnumber its slots many times over, and under FCFS the later ones
+        wait for a slot; a CPU decodes so little that the same rates give a
+        burst that fits its slots, where no policy has anything to decide.
+        There the readers are more and slower: the mix's rates are scaled
+        down so that together they still need load x capacity."""
         mix = parse_rates(self.rates)
         mean_rate = sum(v * w for v, w in mix) / sum(w for _, w in mix)
-        if self.shape in ("burst", "bursts"):
-            per_burst = max(1, round(self.load * decode_tps / mean_rate))
-            return replace(self, requests=per_burst * (self.bursts if self.shape == "bursts" else 1))
-        return replace(self, arrival_rate=self.load * decode_tps / self.max_tokens)
+        if self.shape not in ("burst", "bursts"):
+            return replace(self, arrival_rate=self.load * decode_tps / self.max_tokens)
+        need = self.load * decode_tps
+        by_rate = max(1, round(need / mean_rate))
+        per_burst = max(by_rate, math.ceil(self.per_slot * slots))
+        scale = 1.0 if per_burst == by_rate else need / (per_burst * mean_rate)
+        rates = self.rates if scale == 1.0 else ",".join(f"{v * scale:.4g}:{w:g}" for v, w in mix)
+        return replace(self, requests=per_burst * (self.bursts if self.shape == "bursts" else 1),
+                       rates=rates, rate_scale=scale)
 
 
 # --- the app under test ---------------------------------------------------------
@@ -418,7 +436,7 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
                 calibration = calibrate({policy: app.first_url}, app.model, slots(doc), calibration_tokens,
                                         wl.prompt, timeout)
                 calibration.update(load=wl.load, measured_with=policy)
-                wl = wl.at_load(calibration["decode_tps"])
+                wl = wl.at_load(calibration["decode_tps"], slots(doc))
                 print_calibration(calibration, wl)
             t0 = time.monotonic()
             records[policy] = drive(app, wl, policy, timeout, metrics)
@@ -447,7 +465,7 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
             per_app_slots = slots({"applications": doc["applications"][:1]})
             calibration = calibrate(urls, app.model, per_app_slots, calibration_tokens, wl.prompt, timeout)
             calibration.update(load=wl.load, measured_with="together")
-            wl = wl.at_load(calibration["decode_tps"])
+            wl = wl.at_load(calibration["decode_tps"], per_app_slots)
             print_calibration(calibration, wl)
         t0 = time.monotonic()
         records = drive_apps(urls, app.model, wl, timeout, metrics)
@@ -459,8 +477,8 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
 
 
 def print_calibration(calibration: dict, wl: AppWorkload) -> None:
-    print(json.dumps({"calibration": calibration, "requests": wl.requests, "arrival_rate": wl.arrival_rate}),
-          flush=True)
+    print(json.dumps({"calibration": calibration, "requests": wl.requests, "rates": wl.rates,
+                      "arrival_rate": wl.arrival_rate}), flush=True)
 
 
 def priority_of(app: ServedApp) -> dict:
@@ -483,6 +501,10 @@ def add_arguments(parser) -> None:
                              "(burst: readers who together read LOAD x capacity; bursts: that many per "
                              "burst; poisson/gamma: arrivals bringing LOAD x capacity tokens/s); "
                              "0: take --requests and --arrival-rate as given")
+    parser.add_argument("--readers-per-slot", type=float, default=2.0,
+                        help="a burst sized by --load has at least this many readers per engine slot, their "
+                             "rates scaled down to keep the load, so that under FCFS some wait for a slot as "
+                             "they do on a GPU (default: 2; 0: as many as the rates give)")
     parser.add_argument("--slo-ttft", type=_positive_float, default=2.0,
                         help="SLO goodput: a request meets its SLO with at most this TTFT (s) ...")
     parser.add_argument("--slo-stall", type=_positive_float, default=1.0,
@@ -512,6 +534,8 @@ def run(args) -> int:
     launcher.stop_on_signals()  # the app under test stops with us
     if args.load < 0:
         raise ValueError(f"--load must be >= 0, got {args.load}")
+    if args.readers_per_slot < 0:
+        raise ValueError(f"--readers-per-slot must be >= 0, got {args.readers_per_slot}")
     if args.engines is not None and args.engines < 1:
         raise ValueError(f"--engines must be at least 1, got {args.engines}")
     if args.model is not None:
@@ -523,7 +547,8 @@ def run(args) -> int:
         raise ValueError("--tokenflow must be a JSON object of tokenflow knobs other than policy")
     wl = AppWorkload(shape=args.shape, requests=args.requests, rates=args.rates, max_tokens=args.max_tokens,
                      prompt=args.prompt, arrival_rate=args.arrival_rate, cv=args.cv, bursts=args.bursts,
-                     period=args.period, seed=args.seed, load=args.load or None)
+                     period=args.period, seed=args.seed, load=args.load or None,
+                     per_slot=args.readers_per_slot)
     if wl.load and wl.shape in ("poisson", "gamma"):
         wl = replace(wl, arrival_rate=wl.arrival_rate or 1.0)  # replaced by the calibration
     wl.schedule()  # every workload error before any app starts
