@@ -263,11 +263,10 @@ def test_a_burst_sized_by_load_outnumbers_the_slots_and_keeps_the_load():
     from dataclasses import replace
 
     from tokenflow.tools.bench_app import AppWorkload
-    from tokenflow.tools.loadtest.shapes import parse_rates
+    from tokenflow.tools.loadtest.shapes import mean_rate, parse_rates
 
     def need(wl):
-        mix = parse_rates(wl.rates)
-        return wl.requests * sum(v * w for v, w in mix) / sum(w for _, w in mix)
+        return wl.requests * mean_rate(parse_rates(wl.rates))
 
     base = AppWorkload(shape="burst", requests=1, rates="10:0.5,20:0.3,40:0.2", max_tokens=512, prompt="p",
                        load=1.4, per_slot=2.0)
@@ -294,7 +293,8 @@ def test_both_benches_rotate_the_order_with_the_seed():
 
 
 def test_bench_app_rejects_bad_arguments(tmp_path):
-    for args, msg in ((["--load", "-1"], "--load"), (["--rates", "fast"], "rate"),
+    for args, msg in ((["--load", "-1"], "--load"), (["--readers-per-slot", "-1"], "--readers-per-slot"),
+                      (["--rates", "fast"], "rate"),
                       (["--config", str(tmp_path / "none.yaml")], "no such config"),
                       (["--tokenflow", '{"policy": "fcfs"}'], "--tokenflow"),
                       (["--model", "other"], "model_id"), (["--app-nice", "30"], "--app-nice"), (["--shape", "bursts", "--load", "0"], "--period"),

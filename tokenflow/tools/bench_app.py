@@ -49,7 +49,7 @@ from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.exporter import ClientMetrics
 from tokenflow.tools.loadtest.exporter import add_arguments as add_metrics_arguments
 from tokenflow.tools.loadtest.runner import summarize as summarize_client
-from tokenflow.tools.loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, parse_rates
+from tokenflow.tools.loadtest.shapes import MAX_REQUESTS, Schedule, make_schedule, mean_rate, parse_rates
 
 POLICIES = ("fcfs", "andes", "tokenflow")
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,14 +87,13 @@ class AppWorkload:
         burst that fits its slots, where no policy has anything to decide.
         There the readers are more and slower: the mix's rates are scaled
         down so that together they still need load x capacity."""
-        mix = parse_rates(self.rates)
-        mean_rate = sum(v * w for v, w in mix) / sum(w for _, w in mix)
         if self.shape not in ("burst", "bursts"):
             return replace(self, arrival_rate=self.load * decode_tps / self.max_tokens)
+        mix = parse_rates(self.rates)
         need = self.load * decode_tps
-        by_rate = max(1, round(need / mean_rate))
+        by_rate = max(1, round(need / mean_rate(mix)))
         per_burst = max(by_rate, math.ceil(self.per_slot * slots))
-        scale = 1.0 if per_burst == by_rate else need / (per_burst * mean_rate)
+        scale = 1.0 if per_burst == by_rate else need / (per_burst * mean_rate(mix))
         rates = self.rates if scale == 1.0 else ",".join(f"{v * scale:.4g}:{w:g}" for v, w in mix)
         return replace(self, requests=per_burst * (self.bursts if self.shape == "bursts" else 1),
                        rates=rates, rate_scale=scale)
@@ -433,10 +432,11 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
             if wl.load and calibration is None:
-                calibration = calibrate({policy: app.first_url}, app.model, slots(doc), calibration_tokens,
+                app_slots = slots(doc)
+                calibration = calibrate({policy: app.first_url}, app.model, app_slots, calibration_tokens,
                                         wl.prompt, timeout)
                 calibration.update(load=wl.load, measured_with=policy)
-                wl = wl.at_load(calibration["decode_tps"], slots(doc))
+                wl = wl.at_load(calibration["decode_tps"], app_slots)
                 print_calibration(calibration, wl)
             t0 = time.monotonic()
             records[policy] = drive(app, wl, policy, timeout, metrics)

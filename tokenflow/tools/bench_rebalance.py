@@ -36,7 +36,7 @@ from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
 from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, calibrate, slots, summarize
 from tokenflow.tools.loadtest import http_reader
-from tokenflow.tools.loadtest.shapes import draw_rates, parse_rates
+from tokenflow.tools.loadtest.shapes import draw_rates, mean_rate, parse_rates
 
 SETTINGS = ("off", "on")  # whether the streams may move
 
@@ -99,8 +99,7 @@ def run_bench_rebalance(out_dir: str, config: str, *, load: float, rates: str, m
         engines = sorted(e["engine_id"] for e in engines_view(app.base_url)["engines"])
         cal = calibrate({"calibrating": app.first_url}, app.model, slots(doc), 512, prompt, timeout)
         mix = parse_rates(rates)
-        mean_rate = sum(v * w for v, w in mix) / sum(w for _, w in mix)
-        n = max(1, math.ceil(load * cal["decode_tps"] / len(engines) / mean_rate))
+        n = max(1, math.ceil(load * cal["decode_tps"] / len(engines) / mean_rate(mix)))
         drawn = draw_rates(mix, n, seed)
         print(json.dumps({"calibration": cal, "engines": len(engines), "streams": n}), flush=True)
         for i in range(rounds):

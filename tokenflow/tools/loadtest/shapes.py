@@ -43,6 +43,11 @@ def parse_rates(text: str) -> list[tuple[float, float]]:
     return mix
 
 
+def mean_rate(mix: list[tuple[float, float]]) -> float:
+    """The mix's reading rate on average over its readers (weights as drawn)."""
+    return sum(v * w for v, w in mix) / sum(w for _, w in mix)
+
+
 def draw_rates(mix: list[tuple[float, float]], n: int, seed: int = 0) -> list[float]:
     rng = random.Random(seed)
     return rng.choices([v for v, _ in mix], weights=[w for _, w in mix], k=n)
