@@ -39,7 +39,7 @@ def engine(eid, running=0, buffers=(), rate=40.0, waiting=0, **kw):
     """A state as an engine with `running` readers holding `buffers` seconds would push."""
     buffers = list(buffers) or [0.0] * running
     return EngineState(engine_id=eid, running=len(buffers), waiting=waiting,
-                       buffer_s_sum=sum(buffers), buffer_s_capped=sum(min(b, S.horizon_s) for b in buffers),
+                       buffer_s_sum=sum(buffers), buffered_capped=sum(rate * min(b, S.horizon_s) for b in buffers),
                        buffer_s_min=min(buffers) if buffers else None,
                        rate_sum=rate * (len(buffers) + waiting), **kw)
 
@@ -67,21 +67,39 @@ def test_same_count_more_buffer_is_more_slack():
 
 
 def test_burst_is_split_in_proportion_to_slack():
-    # Capacity exactly used by the readers, so slack is the lendable buffer:
-    # 60 s on one engine, 20 s on the other; each new reader takes 10 s.
-    a = engine("a", buffers=[5.0] * 12, rate=1000.0 / 12)
-    b = engine("b", buffers=[5.0 / 3] * 12, rate=1000.0 / 12)
+    # Capacity exactly used by the readers (25 at 40 tok/s), so slack is the
+    # lendable buffer: 60 s on one engine, 20 s on the other; each new
+    # reader takes 10 s.
+    a = engine("a", buffers=[2.4] * 25)
+    b = engine("b", buffers=[0.8] * 25)
     assert slack(a, S) == pytest.approx(60.0) and slack(b, S) == pytest.approx(20.0)
     # A burst that uses up the slack: 3:1.
     assert split_burst({"a": a, "b": b}, 8, S) == {"a": 6, "b": 2}
     # Three engines with 30, 20 and 10 s of slack: 3:2:1.
-    c = engine("c", buffers=[2.5] * 12, rate=1000.0 / 12)
-    d = engine("d", buffers=[10.0 / 12] * 12, rate=1000.0 / 12)
+    c = engine("c", buffers=[1.2] * 25)
+    d = engine("d", buffers=[0.4] * 25)
     assert split_burst({"c": c, "b": b, "d": d}, 6, S) == {"c": 3, "b": 2, "d": 1}
     # A smaller burst fills the most slack first; a larger one, once no slack
     # is left anywhere, spreads evenly on top.
     assert split_burst({"a": a, "b": b}, 4, S) == {"a": 4, "b": 0}
     assert split_burst({"a": a, "b": b}, 28, S) == {"a": 16, "b": 12}
+
+
+def test_a_slow_readers_buffer_spares_only_what_it_reads():
+    """Slack is in default readers' seconds (40 tok/s here): 30 readers at
+    2 tok/s with 10 s in hand hold 20 tokens each, which spare the engine
+    600 tokens over the horizon, 15 such seconds, not 300. A reader whose
+    text in hand covers the horizon needs nothing over it: that engine is
+    as free as an idle one, and a burst splits evenly between them. (Counted
+    in the readers' own seconds, a 128-reader burst of slow readers went
+    117/11 to the engine that had started streaming first.)"""
+    slow = engine("slow", buffers=[10.0] * 30, rate=2.0)
+    idle = engine("idle")
+    assert slack(slow, S) == pytest.approx(10 * (1000 - 60) / 40 + 30 * 20 / 40) == pytest.approx(slack(idle, S))
+    assert split_burst({"slow": slow, "idle": idle}, 10, S) == {"idle": 5, "slow": 5}
+    # Half the horizon in hand: half their need over it is spared.
+    half = engine("half", buffers=[5.0] * 30, rate=2.0)
+    assert slack(idle, S) - slack(half, S) == pytest.approx(30 * 2.0 * 5.0 / 40)
 
 
 def test_a_burst_does_not_herd_onto_equal_engines():
@@ -359,6 +377,47 @@ def test_readers_faster_than_a_stream_count_at_the_step_rate():
                                                           running=3)}, 20, S) == {"a": 10, "b": 10}
     uncapped = EngineState(engine_id="a", running=3, rate_sum=20008.0)
     assert split_burst({"a": uncapped, "b": twin}, 20, S) == {"a": 0, "b": 20}  # the skew it avoids
+
+
+def test_slow_readers_in_flight_weigh_what_they_will_once_reported():
+    """A burst of readers stating 2 tokens/s: engine a has reported its
+    first 20 (each 2/40 of a default reader), twin b's 20 are in flight.
+    Counted at their stated rate, the rest of the burst splits evenly;
+    counted as default readers, b looked 19 readers fuller and the rest of
+    the burst went to a (how a 128-reader burst split 42/86)."""
+    clock = [0.0]
+    t = RoutingTable(S, clock=lambda: clock[0])
+    t.update({"a": (EngineState(engine_id="a", waiting=20, rate_sum=40.0, stream_tps=20.0,
+                                received_total=20).to_dict(), 0.0),
+              "b": (EngineState(engine_id="b", stream_tps=20.0).to_dict(), 0.0)})
+    for _ in range(20):
+        t.on_sent("b", rate=2.0)
+    sent = {"a": 0, "b": 0}
+    for _ in range(40):
+        e = t.rank(["a", "b"])[0]
+        t.on_sent(e, rate=2.0)
+        sent[e] += 1
+    assert sent == {"a": 20, "b": 20}
+    # The same burst with no rate known in flight (each a default reader,
+    # at most one stream's speed): a gets 18 more before the two look level.
+    t2 = RoutingTable(S, clock=lambda: clock[0])
+    t2.update({"a": (EngineState(engine_id="a", waiting=20, rate_sum=40.0, stream_tps=20.0,
+                                 received_total=20).to_dict(), 0.0),
+               "b": (EngineState(engine_id="b", stream_tps=20.0).to_dict(), 0.0)})
+    for _ in range(20):
+        t2.on_sent("b")
+    sent = {"a": 0, "b": 0}
+    for _ in range(40):
+        e = t2.rank(["a", "b"])[0]
+        t2.on_sent(e)
+        sent[e] += 1
+    assert sent["a"] - sent["b"] >= 16, sent
+    # A rate above one stream's speed counts as that speed, as the engine
+    # counts it: three such sends to b level it with a, which reported three.
+    twins = {"a": EngineState(engine_id="a", stream_tps=20.0, rate_sum=60.0, running=3),
+             "b": EngineState(engine_id="b", stream_tps=20.0)}
+    assert split_burst(twins, 3, S, rates=[10000.0] * 3) == {"a": 0, "b": 3}
+    assert rank_engines(twins, {"b": [10000.0] * 3}, S) == ["a", "b"]  # level: the tie goes by id
 
 
 def test_tracked_stream_feeds_reader_buffers_and_state():

@@ -109,6 +109,20 @@ def parse_carried(xargs: dict | None) -> tuple[float, float] | None:
     return (unread, waited) if ok else None
 
 
+def stated_rate(body, default: float) -> float:
+    """The reader's rate a request body states (top level, else in
+    vllm_xargs), as the replica will read it; `default` when it states none
+    or a bad one (a bad one is the replica's to reject with a 400)."""
+    value = (getattr(body, "model_extra", None) or {}).get(RATE_KEY)
+    if value is None:
+        value = (getattr(body, "vllm_xargs", None) or {}).get(RATE_KEY)
+    try:
+        rate = float(value) if value is not None and not isinstance(value, bool) else default
+    except (TypeError, ValueError):
+        return default
+    return rate if 0 < rate < math.inf else default
+
+
 def parse_rate(value, cfg: TokenFlowConfig) -> float:
     """Validate a client-stated consumption rate (tokens/s); None -> default."""
     if value is None:

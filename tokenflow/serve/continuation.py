@@ -47,6 +47,7 @@ from tokenflow.core.config import (
     REBALANCE_KEY,
     SENT_KEY,
     WAITED_KEY,
+    stated_rate,
 )
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
@@ -109,7 +110,7 @@ class Ledger:
         self.created: int | None = None
         self.continued = 0  # continuations opened so far
         self.max_continuations = max_continuations
-        self.rate = _rate_of(body, default_rate)
+        self.rate = stated_rate(body, default_rate)
         self.arrival = clock()
         self._ids: list[int] = []  # sent, parsed
         self._raw: list[str] = []  # sent, as the chunks' text ("5,81,7"), not parsed yet
@@ -304,16 +305,3 @@ def end_on_whole_character(request: Any, decode: Callable[[list[int]], str]) -> 
         if getattr(request, "min_tokens", 0):
             request.min_tokens += n
     return n
-
-
-def _rate_of(body: Any, default: float) -> float:
-    """The reader's rate as the replica will read it; a bad one is the
-    replica's to reject (400), so here it falls back to the default."""
-    value = (body.model_extra or {}).get(RATE_KEY)
-    if value is None:
-        value = (body.vllm_xargs or {}).get(RATE_KEY)
-    try:
-        rate = float(value) if value is not None and not isinstance(value, bool) else default
-    except (TypeError, ValueError):
-        return default
-    return rate if 0 < rate < float("inf") else default

@@ -149,19 +149,21 @@ class EngineTracker:
         b_sum = b_cap = rate_sum = 0.0
         b_min = None
         for r in self._streams.values():
-            rate_sum += r.rate if r.rate < cap else cap
+            rate = r.rate if r.rate < cap else cap
+            rate_sum += rate
             if r.first_token_time is None:
                 waiting += 1
                 continue
             running += 1
-            b = r.buffer_seconds(now)
+            tokens = r.buffer(now)
+            b = tokens / r.rate
             b_sum += b
-            b_cap += min(b, self.horizon_s)
+            b_cap += min(tokens, rate * self.horizon_s)
             b_min = b if b_min is None else min(b_min, b)
             stalled += b <= 1e-9
         tps = self.decode_tps(now)
         return dict(running=running, waiting=waiting, unary=len(self._unary), stalled=stalled,
-                    buffer_s_sum=round(b_sum, 4), buffer_s_capped=round(b_cap, 4),
+                    buffer_s_sum=round(b_sum, 4), buffered_capped=round(b_cap, 4),
                     buffer_s_min=None if b_min is None else round(b_min, 4),
                     rate_sum=rate_sum, decode_tps=round(tps, 2), peak_tps=round(self.peak_tps, 2),
                     received_total=self.received_total, slots=self.slots)

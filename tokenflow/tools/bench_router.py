@@ -117,14 +117,14 @@ class SimEngines:
         self.peak = np.maximum(self.peak, np.where(in_group, decode, 0.0))
         secs = buf / rate
         sums = np.bincount(eng, weights=secs, minlength=n)
-        capped = np.bincount(eng, weights=np.minimum(secs, 10.0), minlength=n)
+        capped = np.bincount(eng, weights=np.minimum(buf, np.minimum(rate, per[eng]) * 10.0), minlength=n)
         stalled = np.bincount(eng, weights=(buf <= 0), minlength=n)
         rate_sum = np.bincount(eng, weights=np.minimum(rate, per[eng]), minlength=n)
         low = np.full(n, np.inf)
         np.minimum.at(low, eng, secs)
         self.seq[group] += 1
         return [{"running": int(count[i]), "stalled": int(stalled[i]), "buffer_s_sum": float(sums[i]),
-                 "buffer_s_capped": float(capped[i]),
+                 "buffered_capped": float(capped[i]),
                  "buffer_s_min": float(low[i]) if count[i] else None, "rate_sum": float(rate_sum[i]),
                  "stream_tps": float(per[i]), "decode_tps": float(decode[i]), "peak_tps": float(self.peak[i]),
                  "received_total": int(self.received[i]), "seq": int(self.seq[i])} for i in group]

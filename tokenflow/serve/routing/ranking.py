@@ -6,11 +6,16 @@ it as is.
 Slack of an engine is measured in reader-seconds over a horizon H: how much
 reading time it can still give newcomers before one of its readers stalls.
 
-    slack = H * (capacity - required) / reader_rate     spare decode rate, as readers
-          + sum over running streams of min(buffer_s, H)  buffers TokenFlow can lend
+    slack = H * (capacity - required) / reader_rate      spare decode rate, as readers
+          + sum over running streams of min(b_i, r_i H) / reader_rate
+                                                          buffers TokenFlow can lend
 
 `required` is the sum of its readers' stated rates (running and waiting),
-plus `reader_rate` per non-streaming request. `capacity` is the best decode
+plus `reader_rate` per non-streaming request; b_i is a reader's buffer in
+tokens and r_i its rate (each rate at most one stream's speed there): what
+it has in hand spares the engine that many of the tokens it needs over H,
+so a reader with H seconds of text in hand needs nothing over H, however
+slowly it reads. `capacity` is the best decode
 rate the engine has shown, or `capacity_tps` when it has not shown more yet.
 An idle engine thus has the most slack; an engine whose readers are all
 near empty buffers has little, even at the same request count. Negative
@@ -18,8 +23,9 @@ slack is a deficit: its readers will stall unless work moves elsewhere.
 
 Each request goes to the engine with the most slack left after the
 requests just sent to it: every request sent since the engine's last pushed
-state counts as the load it will add once a push shows it (one reader, i.e.
-H reader-seconds), so the ranking is the same before and after that push.
+state counts as the load it will add once a push shows it (its stated rate,
+at most one stream's speed there, over H), so the ranking is the same before
+and after that push.
 A burst therefore fills engines by slack instead of herding onto one: it
 goes first where slack is largest, until what is left is level; a burst
 that uses up the slack is split in proportion to it; beyond that, evenly.
@@ -27,6 +33,7 @@ that uses up the slack is split in proportion to it; beyond that, evenly.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -116,7 +123,7 @@ class EngineState:
     unary: int = 0  # non-streaming requests in flight
     stalled: int = 0  # running streams whose reader has nothing buffered
     buffer_s_sum: float = 0.0  # sum of running readers' buffered seconds
-    buffer_s_capped: float = 0.0  # same, each capped at the horizon
+    buffered_capped: float = 0.0  # their buffered tokens, each at most what its reader reads over the horizon
     buffer_s_min: float | None = None
     rate_sum: float = 0.0  # tokens/s the streams' readers need, each at most `stream_tps`
     stream_tps: float | None = None  # tokens/s one stream gets here (the step rate); None: not measured
@@ -151,14 +158,15 @@ def slack(state: EngineState, s: RoutingSettings, peer_tps: float = 0.0) -> floa
     capacity = max(state.peak_tps, peer_tps, s.capacity_tps)
     required = state.rate_sum + state.unary * s.rate
     spare_readers = (capacity - required) / s.rate
-    return s.horizon_s * spare_readers + state.buffer_s_capped
+    return s.horizon_s * spare_readers + state.buffered_capped / s.rate
 
 
-def new_reader_share(state: EngineState, s: RoutingSettings) -> float:
-    """A new reader's need on this engine, in readers of s.rate: its rate
-    is unknown here, so s.rate, at most what one stream gets there."""
+def new_reader_share(state: EngineState, s: RoutingSettings, rate: float | None = None) -> float:
+    """A new reader's need on this engine, in readers of s.rate: its stated
+    `rate` (None: s.rate), at most what one stream gets there."""
+    rate = s.rate if rate is None else rate
     cap = state.stream_tps
-    return min(1.0, cap / s.rate) if cap and cap > 0 else 1.0
+    return (min(rate, cap) if cap and cap > 0 else rate) / s.rate
 
 
 def peer_tps(states) -> float:
@@ -166,39 +174,45 @@ def peer_tps(states) -> float:
     return max((st.peak_tps for st in states), default=0.0)
 
 
-def engine_terms(state: EngineState, s: RoutingSettings, best_tps: float) -> tuple[float, float, int]:
+def engine_terms(state: EngineState, s: RoutingSettings, best_tps: float) -> tuple[float, float, float, int]:
     """What ranking needs of one engine's state, computed once per state:
-    (slack, reader-seconds one more sent request takes from it, load)."""
-    # A sent request will show as one more reader: H reader-seconds less,
-    # counted as the engine will count it (at most one stream's speed), so
-    # an engine that has reported its share of a burst and one whose share
-    # is still in flight weigh the same.
-    return slack(state, s, best_tps), s.horizon_s * new_reader_share(state, s), state.load
+    (slack, reader-seconds one token/s of a sent reader's rate takes from
+    it, the most a sent reader's rate counts there, load)."""
+    # A sent request will show as one more reader: its rate over H, counted
+    # as the engine will count it (at most one stream's speed), so an engine
+    # that has reported its share of a burst and one whose share is still in
+    # flight weigh the same, whatever rates its readers state.
+    cap = state.stream_tps if state.stream_tps and state.stream_tps > 0 else math.inf
+    return slack(state, s, best_tps), s.horizon_s / s.rate, cap, state.load
 
 
-def order_engines(terms: dict[str, tuple[float, float, int]], pending: dict[str, int]) -> list[str]:
+def order_engines(terms: dict[str, tuple[float, float, float, int]], pending: dict[str, list[float]]) -> list[str]:
     """Engine ids, best first: most slack left after the requests sent to
-    each; ties: least loaded, then by id so the order is deterministic."""
+    each (`pending`: their stated rates); ties: least loaded, then by id so
+    the order is deterministic."""
     def key(eid: str):
-        base, per_send, load = terms[eid]
-        p = pending.get(eid, 0)
-        return (-(base - per_send * p), load + p, eid)
+        base, per_rate, cap, load = terms[eid]
+        rates = pending.get(eid, ())
+        sent = sum(r if r < cap else cap for r in rates)
+        return (-(base - per_rate * sent), load + len(rates), eid)
 
     return sorted(terms, key=key)
 
 
-def rank_engines(states: dict[str, EngineState], pending: dict[str, int], s: RoutingSettings) -> list[str]:
+def rank_engines(states: dict[str, EngineState], pending: dict[str, list[float]], s: RoutingSettings) -> list[str]:
     """Engine ids, best first, for the next request. Callers pass only fresh states."""
     best = peer_tps(states.values())
     return order_engines({eid: engine_terms(st, s, best) for eid, st in states.items()}, pending)
 
 
-def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings) -> dict[str, int]:
-    """Where n requests sent before any new push would go (for tests and docs)."""
-    pending = {e: 0 for e in states}
-    for _ in range(n):
-        pending[rank_engines(states, pending, s)[0]] += 1
-    return pending
+def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings,
+                rates: list[float] | None = None) -> dict[str, int]:
+    """Where n requests sent before any new push would go (for tests and
+    docs); `rates`: each one's stated rate (default s.rate)."""
+    pending: dict[str, list[float]] = {e: [] for e in states}
+    for i in range(n):
+        pending[rank_engines(states, pending, s)[0]].append(rates[i] if rates else s.rate)
+    return {e: len(v) for e, v in pending.items()}
 
 
 class CandidateIndex:
@@ -253,8 +267,8 @@ class RoutingTable:
         self._states: dict[str, EngineState] = {}
         self._born: dict[str, float] = {}  # local clock time at which each state was fresh
         self._parts: dict[int, tuple[dict, dict]] = {}  # (states, born) as each state board last said
-        self._terms: dict[str, tuple[float, float, int]] = {}  # engine_terms of each state, for rank()
-        self._pending: dict[str, deque] = {}
+        self._terms: dict[str, tuple[float, float, float, int]] = {}  # engine_terms of each state, for rank()
+        self._pending: dict[str, deque] = {}  # per engine: (sent at, stated rate) of sends no push reflects yet
         self._dead: set[str] = set()  # engines Serve saw die (drop())
         self._lock = threading.Lock()
         self.latency = LatencyStats()  # time inside choose_replicas
@@ -307,24 +321,32 @@ class RoutingTable:
                            for p, (ps, pb) in self._parts.items()}
             self._pending.pop(engine_id, None)
 
-    def on_sent(self, engine_id: str, now: float | None = None) -> None:
+    def on_sent(self, engine_id: str, now: float | None = None, rate: float | None = None) -> None:
+        """A request went to `engine_id`; `rate`: the reader's rate its body
+        states (None: the default reader's)."""
+        entry = (self._clock() if now is None else now, self.settings.rate if rate is None else rate)
         with self._lock:
-            self._pending.setdefault(engine_id, deque()).append(self._clock() if now is None else now)
+            self._pending.setdefault(engine_id, deque()).append(entry)
 
-    def pending(self, now: float | None = None, engines=None) -> dict[str, int]:
-        """Requests sent to each engine (or to each of `engines`) that no
-        push has reflected yet, less those older than pending_ttl_s."""
+    def pending_rates(self, now: float | None = None, engines=None) -> dict[str, list[float]]:
+        """The stated rates of the requests sent to each engine (or to each
+        of `engines`) that no push has reflected yet, less those older than
+        pending_ttl_s."""
         now = self._clock() if now is None else now
         cutoff = now - self.settings.pending_ttl_s
         out = {}
         with self._lock:
             for eid in self._pending if engines is None else engines:
                 q = self._pending.get(eid)
-                while q and q[0] < cutoff:
+                while q and q[0][0] < cutoff:
                     q.popleft()
                 if q:
-                    out[eid] = len(q)
+                    out[eid] = [rate for _, rate in q]
         return out
+
+    def pending(self, now: float | None = None, engines=None) -> dict[str, int]:
+        """How many requests sent to each engine no push has reflected yet."""
+        return {e: len(v) for e, v in self.pending_rates(now, engines).items()}
 
     def queue_len(self, engine_id: str, now: float | None = None) -> int:
         """Requests the engine holds, as its last state and our sends since say."""
@@ -359,7 +381,7 @@ class RoutingTable:
             return None
         terms = self._terms
         usable = {e: terms[e] for e, age in ages.items() if age <= 2 * limit and e in terms}
-        return order_engines(usable, self.pending(now, usable))
+        return order_engines(usable, self.pending_rates(now, usable))
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
         self.latency.add(seconds)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import List, Optional
 
-from tokenflow.core.config import PIN_KEY
+from tokenflow.core.config import PIN_KEY, stated_rate
 from tokenflow.serve.metrics import RouterMetrics
 from tokenflow.serve.ray_private import PowerOfTwoChoicesRequestRouter
 from tokenflow.serve.routing import board, ranking
@@ -34,6 +35,12 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         self._tf_settings = ranking.RoutingSettings.from_dict(kwargs)
         self._tf_table = ranking.RoutingTable(self._tf_settings)
         self._tf_candidates = ranking.CandidateIndex()
+        # The stated rates of the requests just routed, per engine chosen,
+        # for on_send_request (which is told only the replica). Serve may
+        # send a request elsewhere when its first choice is full, or send
+        # another request than the one it asked about: the rate then
+        # belongs to a neighbour of the same burst, and counts the same.
+        self._tf_rates: dict[str, deque] = {}
         self._tf_refresher: Optional[asyncio.Task] = None
         key = f"{self._deployment_id.app_name}/{self._deployment_id.name}#{id(self):x}"
         board.LOCAL_ROUTERS[key] = self._tf_table
@@ -74,6 +81,9 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         # One rank per engine, best first: Serve tries the next one only if
         # the previous one refuses (its queue is full).
         self._tf_record(table, start, order[0])
+        rate = stated_rate(pending_request.args[0], table.settings.rate) \
+            if pending_request is not None and pending_request.args else None
+        self._tf_rates.setdefault(order[0], deque(maxlen=1024)).append(rate)
         # Serve picks among a rank by queue length, from its cache or else by
         # probing the replica with a 0.1-1 s deadline, which a busy replica
         # misses (the request then waits in the router and retries): give
@@ -99,7 +109,8 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         super().on_send_request(replica_id)
         table = getattr(self, "_tf_table", None)
         if table is not None:
-            table.on_sent(replica_id.unique_id)
+            rates = self._tf_rates.get(replica_id.unique_id)
+            table.on_sent(replica_id.unique_id, rate=rates.popleft() if rates else None)
 
 
 def pinned(pending_request) -> Optional[str]:
