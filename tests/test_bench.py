@@ -194,6 +194,7 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
         assert res["effective_throughput_tps"] <= res["throughput_tps"] + 1e-9
         engines = res["scheduler_stats"]  # the scheduler's totals, per engine, from the app itself
         assert len(engines) == 1 and {"pauses_hold", "pauses_release", "resumes"} <= set(*engines.values())
+        assert [e["received"] for e in engines.values()] == [n]  # this run's requests, the calibration's not
         doc = yaml.safe_load((out / f"app-{name}.yaml").read_text())
         assert doc["applications"][0]["args"]["tokenflow"]["policy"] == name
         lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
@@ -247,6 +248,7 @@ def test_bench_app_together_serves_every_policy_at_once(tmp_path):
     for name, res in summary["results"].items():
         assert res["completed"] == n and res["failed"] == 0 and res["total_output_tokens"] == 32 * n, name
         assert len(res["scheduler_stats"]) == 1, name  # this app's one engine, read at its own prefix
+        assert [e["received"] for e in res["scheduler_stats"].values()] == [n], name
         engine_ids += list(res["scheduler_stats"])
         lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
         assert sorted(x["id"] for x in lines) == list(range(n)) and all(x["ok"] for x in lines)

@@ -236,17 +236,33 @@ class Progress:
         self.bar.close()
 
 
-def engine_counters(url: str) -> dict | None:
-    """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
-    tokens), from GET /v1/tokenflow/engines; None if it does not answer."""
+def engine_rows(url: str) -> list[dict] | None:
+    """Each engine's last pushed state, from GET /v1/tokenflow/engines; None
+    if that does not answer."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url}/v1/tokenflow/engines", timeout=10) as resp:
-            view = json.loads(resp.read())
+            return json.loads(resp.read()).get("engines", [])
     except (OSError, ValueError):
         return None
-    return {e["engine_id"]: (e.get("scheduler") or {}).get("stats") for e in view.get("engines", [])}
+
+
+def received_by_engine(url: str) -> dict[str, int]:
+    """Requests each engine has received since it started; {} if unknown."""
+    return {e["engine_id"]: int(e.get("received_total") or 0) for e in engine_rows(url) or []}
+
+
+def engine_counters(url: str, received_before: dict[str, int]) -> dict | None:
+    """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
+    tokens) and `received`: the requests routed to it since
+    `received_before` (an uneven split of a burst shows here)."""
+    rows = engine_rows(url)
+    if rows is None:
+        return None
+    return {e["engine_id"]: {**((e.get("scheduler") or {}).get("stats") or {}),
+                             "received": int(e.get("received_total") or 0) - received_before.get(e["engine_id"], 0)}
+            for e in rows}
 
 
 def drive_apps(urls: dict[str, str], model: str, wl: AppWorkload, timeout: float, metrics=None,
@@ -389,7 +405,8 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
     results = {}
     for policy in order:
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
-        # Totals since the app started, the calibration's steps included.
+        # Totals since the app started, the calibration's steps included;
+        # `received`: this run's requests only.
         results[policy]["scheduler_stats"] = counters[policy]
         with open(out / f"requests-{policy}.jsonl", "w") as f:
             for rec in records[policy]:
@@ -438,11 +455,11 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
                 calibration.update(load=wl.load, measured_with=policy)
                 wl = wl.at_load(calibration["decode_tps"], app_slots)
                 print_calibration(calibration, wl)
-            t0 = time.monotonic()
+            t0, received0 = time.monotonic(), received_by_engine(app.first_url)
             records[policy] = drive(app, wl, policy, timeout, metrics)
             served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, **priority_of(app)}
             time.sleep(0.5)  # the engines' last pushes
-            counters[policy] = engine_counters(app.first_url)
+            counters[policy] = engine_counters(app.first_url, received0)
     return records, counters, served, calibration, wl
 
 
@@ -467,12 +484,12 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
             calibration.update(load=wl.load, measured_with="together")
             wl = wl.at_load(calibration["decode_tps"], per_app_slots)
             print_calibration(calibration, wl)
-        t0 = time.monotonic()
+        t0, received0 = time.monotonic(), {p: received_by_engine(url) for p, url in urls.items()}
         records = drive_apps(urls, app.model, wl, timeout, metrics)
         run_s = time.monotonic() - t0
         served = {p: {"config": path.name, "run_s": run_s, **priority_of(app)} for p in order}
         time.sleep(0.5)  # the engines' last pushes
-        counters = {p: engine_counters(url) for p, url in urls.items()}
+        counters = {p: engine_counters(url, received0[p]) for p, url in urls.items()}
     return records, counters, served, calibration, wl
 
 

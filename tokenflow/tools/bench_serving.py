@@ -42,7 +42,7 @@ from tokenflow.serve.routing.board import DetachedBoard
 from tokenflow.serve.routing.relay import RelayActor
 from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
-from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, share_bundles
+from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, received_by_engine, share_bundles
 from tokenflow.tools.loadtest import http_reader
 
 OURS, STOCK = "tokenflow", "stock"
@@ -206,19 +206,6 @@ def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: fl
         bodies.append(body)
     return asyncio.run(http_reader.run_schedule(base_url, bodies, [rate] * requests, [0.0] * requests, timeout,
                                                 None, launcher.api_key_from_env()))
-
-
-def received_by_engine(base_url: str) -> dict[str, int]:
-    """Requests each of our engines has received since it started (its
-    pushed state, via GET /v1/tokenflow/engines); {} if that does not answer."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{base_url}/v1/tokenflow/engines", timeout=10) as resp:
-            view = json.loads(resp.read())
-    except (OSError, ValueError):
-        return {}
-    return {e["engine_id"]: int(e.get("received_total") or 0) for e in view.get("engines", [])}
 
 
 def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: int, max_tokens: int,
