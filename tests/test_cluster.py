@@ -91,8 +91,8 @@ def test_a_slow_readers_buffer_spares_only_what_it_reads():
     600 tokens over the horizon, 15 such seconds, not 300. A reader whose
     text in hand covers the horizon needs nothing over it: that engine is
     as free as an idle one, and a burst splits evenly between them. (Counted
-    in the readers' own seconds, a 128-reader burst of slow readers went
-    117/11 to the engine that had started streaming first.)"""
+    in the readers' own seconds, a burst of 128 readers at 1.3-5 tok/s split
+    117/11 between two engines: docs/BENCHMARKS.md.)"""
     slow = engine("slow", buffers=[10.0] * 30, rate=2.0)
     idle = engine("idle")
     assert slack(slow, S) == pytest.approx(10 * (1000 - 60) / 40 + 30 * 20 / 40) == pytest.approx(slack(idle, S))
