@@ -186,23 +186,30 @@ def engine_terms(state: EngineState, s: RoutingSettings, best_tps: float) -> tup
     return slack(state, s, best_tps), s.horizon_s / s.rate, cap, state.load
 
 
-def order_engines(terms: dict[str, tuple[float, float, float, int]], pending: dict[str, list[float]]) -> list[str]:
+def order_engines(terms: dict[str, tuple[float, float, float, int]],
+                  pending: dict[str, tuple[int, float]]) -> list[str]:
     """Engine ids, best first: most slack left after the requests sent to
-    each (`pending`: their stated rates); ties: least loaded, then by id so
-    the order is deterministic."""
+    each (`pending`: how many, and their rates summed, each at most the
+    engine's cap); ties: least loaded, then by id so the order is
+    deterministic."""
+    none = (0, 0.0)
+
     def key(eid: str):
-        base, per_rate, cap, load = terms[eid]
-        rates = pending.get(eid, ())
-        sent = sum(r if r < cap else cap for r in rates)
-        return (-(base - per_rate * sent), load + len(rates), eid)
+        base, per_rate, _, load = terms[eid]
+        count, rates = pending.get(eid, none)
+        return (-(base - per_rate * rates), load + count, eid)
 
     return sorted(terms, key=key)
 
 
 def rank_engines(states: dict[str, EngineState], pending: dict[str, list[float]], s: RoutingSettings) -> list[str]:
-    """Engine ids, best first, for the next request. Callers pass only fresh states."""
+    """Engine ids, best first, for the next request (`pending`: the stated
+    rates of the requests sent to each since its state). Callers pass only
+    fresh states."""
     best = peer_tps(states.values())
-    return order_engines({eid: engine_terms(st, s, best) for eid, st in states.items()}, pending)
+    terms = {eid: engine_terms(st, s, best) for eid, st in states.items()}
+    sent = {eid: (len(rates), sum(min(r, terms[eid][2]) for r in rates)) for eid, rates in pending.items()}
+    return order_engines(terms, sent)
 
 
 def split_burst(states: dict[str, EngineState], n: int, s: RoutingSettings,
@@ -268,7 +275,11 @@ class RoutingTable:
         self._born: dict[str, float] = {}  # local clock time at which each state was fresh
         self._parts: dict[int, tuple[dict, dict]] = {}  # (states, born) as each state board last said
         self._terms: dict[str, tuple[float, float, float, int]] = {}  # engine_terms of each state, for rank()
-        self._pending: dict[str, deque] = {}  # per engine: (sent at, stated rate) of sends no push reflects yet
+        # Per engine, the sends no push reflects yet: (sent at, the rate it
+        # counts at there), and those rates summed, so that ranking reads a
+        # sum however many a burst sent since the last push.
+        self._pending: dict[str, deque] = {}
+        self._pending_rate: dict[str, float] = {}
         self._dead: set[str] = set()  # engines Serve saw die (drop())
         self._lock = threading.Lock()
         self.latency = LatencyStats()  # time inside choose_replicas
@@ -291,9 +302,8 @@ class RoutingTable:
                 if old is not None and st.received_total > old.received_total:
                     # The engine now counts that many more arrivals: they are
                     # (mostly) ours, so stop counting as many of our sends.
-                    q = self._pending.get(eid)
-                    for _ in range(min(len(q or ()), st.received_total - old.received_total)):
-                        q.popleft()
+                    for _ in range(min(len(self._pending.get(eid) or ()), st.received_total - old.received_total)):
+                        self._pop_sent(eid)
                 states[eid], born[eid] = st, now - age
             self._parts[part] = (states, born)
             if len(self._parts) > 1:
@@ -320,18 +330,32 @@ class RoutingTable:
                                {e: v for e, v in pb.items() if e != engine_id})
                            for p, (ps, pb) in self._parts.items()}
             self._pending.pop(engine_id, None)
+            self._pending_rate.pop(engine_id, None)
+
+    def _pop_sent(self, eid: str) -> None:
+        """Forget the oldest send to `eid` (under the lock)."""
+        q = self._pending[eid]
+        _, rate = q.popleft()
+        # Exactly zero once none is left: no rounding drift over a long life.
+        self._pending_rate[eid] = self._pending_rate[eid] - rate if q else 0.0
 
     def on_sent(self, engine_id: str, now: float | None = None, rate: float | None = None) -> None:
         """A request went to `engine_id`; `rate`: the reader's rate its body
-        states (None: the default reader's)."""
-        entry = (self._clock() if now is None else now, self.settings.rate if rate is None else rate)
+        states (None: the default reader's), counted at most at one
+        stream's speed there, as the engine's next push will count it."""
+        rate = self.settings.rate if rate is None else rate
+        terms = self._terms.get(engine_id)
+        if terms is not None and rate > terms[2]:
+            rate = terms[2]
+        entry = (self._clock() if now is None else now, rate)
         with self._lock:
             self._pending.setdefault(engine_id, deque()).append(entry)
+            self._pending_rate[engine_id] = self._pending_rate.get(engine_id, 0.0) + rate
 
-    def pending_rates(self, now: float | None = None, engines=None) -> dict[str, list[float]]:
-        """The stated rates of the requests sent to each engine (or to each
-        of `engines`) that no push has reflected yet, less those older than
-        pending_ttl_s."""
+    def pending_sent(self, now: float | None = None, engines=None) -> dict[str, tuple[int, float]]:
+        """Per engine (or each of `engines`): how many requests sent to it no
+        push has reflected yet, less those older than pending_ttl_s, and
+        the rates they count at, summed."""
         now = self._clock() if now is None else now
         cutoff = now - self.settings.pending_ttl_s
         out = {}
@@ -339,14 +363,14 @@ class RoutingTable:
             for eid in self._pending if engines is None else engines:
                 q = self._pending.get(eid)
                 while q and q[0][0] < cutoff:
-                    q.popleft()
+                    self._pop_sent(eid)
                 if q:
-                    out[eid] = [rate for _, rate in q]
+                    out[eid] = (len(q), self._pending_rate[eid])
         return out
 
     def pending(self, now: float | None = None, engines=None) -> dict[str, int]:
         """How many requests sent to each engine no push has reflected yet."""
-        return {e: len(v) for e, v in self.pending_rates(now, engines).items()}
+        return {e: n for e, (n, _) in self.pending_sent(now, engines).items()}
 
     def queue_len(self, engine_id: str, now: float | None = None) -> int:
         """Requests the engine holds, as its last state and our sends since say."""
@@ -381,7 +405,7 @@ class RoutingTable:
             return None
         terms = self._terms
         usable = {e: terms[e] for e, age in ages.items() if age <= 2 * limit and e in terms}
-        return order_engines(usable, self.pending_rates(now, usable))
+        return order_engines(usable, self.pending_sent(now, usable))
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
         self.latency.add(seconds)
