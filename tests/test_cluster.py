@@ -24,7 +24,6 @@ from tokenflow.serve.routing.ranking import (
     EngineState,
     RoutingSettings,
     RoutingTable,
-    new_reader_share,
     rank_engines,
     slack,
     split_burst,
@@ -371,7 +370,7 @@ def test_readers_faster_than_a_stream_count_at_the_step_rate():
     # A request in flight to b weighs what a reported 10,000 tok/s reader
     # does on a (one stream's 20 tok/s): three of each leave the twins equal.
     a3 = EngineState(engine_id="a", running=3, stream_tps=20.0, rate_sum=60.0)
-    assert slack(a3, S) == pytest.approx(slack(twin, S) - S.horizon_s * 3 * new_reader_share(twin, S))
+    assert slack(a3, S) == pytest.approx(slack(twin, S) - S.horizon_s * 3 * 20.0 / S.rate)
     # and a burst splits evenly from there
     assert split_burst({"a": reported, "b": EngineState(engine_id="b", stream_tps=20.0, rate_sum=60.0,
                                                           running=3)}, 20, S) == {"a": 10, "b": 10}

@@ -161,14 +161,6 @@ def slack(state: EngineState, s: RoutingSettings, peer_tps: float = 0.0) -> floa
     return s.horizon_s * spare_readers + state.buffered_capped / s.rate
 
 
-def new_reader_share(state: EngineState, s: RoutingSettings, rate: float | None = None) -> float:
-    """A new reader's need on this engine, in readers of s.rate: its stated
-    `rate` (None: s.rate), at most what one stream gets there."""
-    rate = s.rate if rate is None else rate
-    cap = state.stream_tps
-    return (min(rate, cap) if cap and cap > 0 else rate) / s.rate
-
-
 def peer_tps(states) -> float:
     """The best decode rate any of these engines has shown (see slack)."""
     return max((st.peak_tps for st in states), default=0.0)
