@@ -236,14 +236,19 @@ class Progress:
         self.bar.close()
 
 
-def engine_rows(url: str) -> list[dict] | None:
-    """Each engine's last pushed state, from GET /v1/tokenflow/engines; None
-    if that does not answer."""
+def engines_view(url: str) -> dict:
+    """GET /v1/tokenflow/engines: the app's engines, their routing and the
+    node KV pools. Raises if the app does not answer."""
     import urllib.request
 
+    with urllib.request.urlopen(f"{url}/v1/tokenflow/engines", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def engine_rows(url: str) -> list[dict] | None:
+    """Each engine's last pushed state; None if the app does not answer."""
     try:
-        with urllib.request.urlopen(f"{url}/v1/tokenflow/engines", timeout=10) as resp:
-            return json.loads(resp.read()).get("engines", [])
+        return engines_view(url).get("engines", [])
     except (OSError, ValueError):
         return None
 

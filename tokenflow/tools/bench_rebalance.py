@@ -26,7 +26,6 @@ import json
 import math
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -34,16 +33,11 @@ import yaml
 from tokenflow.core.config import PIN_KEY, REBALANCE_KEY
 from tokenflow.tools import launcher
 from tokenflow.tools.bench import percentile
-from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, calibrate, slots, summarize
+from tokenflow.tools.bench_app import ServedApp, app_config, bench_paths, calibrate, engines_view, slots, summarize
 from tokenflow.tools.loadtest import http_reader
 from tokenflow.tools.loadtest.shapes import draw_rates, mean_rate, parse_rates
 
 SETTINGS = ("off", "on")  # whether the streams may move
-
-
-def engines_view(base_url: str) -> dict:
-    with urllib.request.urlopen(f"{base_url}/v1/tokenflow/engines", timeout=10) as resp:
-        return json.loads(resp.read())
 
 
 def wait_idle(base_url: str, timeout: float = 120.0) -> None:
