@@ -25,7 +25,7 @@ def test_a_hundred_engines_are_routed_by_slack_from_fresh_states(tmp_path):
     assert row["engines"] == 100 and row["rows_per_ingress"] == 64  # the head, not the whole cluster
     # Every push the fleets sent reached the board, and each ingress kept up with its stream. The fleets are
     # simulated on the same 2 cores, so they may send fewer than the 1,000/s offered (one CI run: 780 sent,
-    # 781 handled); the board is judged on what it was sent, and the load must still be most of the offer.
+    # 781 handled); the board is judged on what it was sent, and the load must still be at least half the offer.
     assert row["pushes_sent_per_s"] >= 0.5 * row["pushes_offered_per_s"], row
     assert row["pushes_handled_per_s"] >= 0.95 * row["pushes_sent_per_s"], row
     assert row["decisions"] >= 0.8 * row["requests_per_s"] * 5 and row["fallbacks"] == 0, row
@@ -33,8 +33,9 @@ def test_a_hundred_engines_are_routed_by_slack_from_fresh_states(tmp_path):
     assert row["slack_percentile_mean"] >= 75, row
     # Fresh states and quick choices (targets: 250 ms and 1 ms at P99, here with room for a busy 2-core VM).
     # A choice is judged by its own CPU time: on 2 shared cores its wall time at P99 is mostly the waits for a
-    # core (one CI run: 5.1 ms wall, 1.4 ms CPU). The wall bound only catches a choice that waits on a call.
-    assert row["age_p99_ms"] < 1000 and row["choose_cpu_p99_ms"] < 5 and row["choose_p99_ms"] < 50, row
+    # core (CI runs: 5.1 ms wall, 1.4 ms CPU; 16 ms wall, 3.9 ms CPU). The bounds catch a choice that does
+    # work per engine in the cluster or waits on a call; the 1 ms target is judged by bench-router.
+    assert row["age_p99_ms"] < 1000 and row["choose_cpu_p99_ms"] < 10 and row["choose_p99_ms"] < 50, row
     # Where the age goes: a row waits in its relay at most about a push interval, and in the ingress at most
     # about a refresh interval (0.1 s and 0.05 s here), less than the whole age.
     assert 0 < row["relay_wait_p50_ms"] <= row["age_p50_ms"] and 0 < row["since_answer_p50_ms"] <= row["age_p50_ms"], row
