@@ -96,31 +96,6 @@ def test_overload_falls_back_to_fcfs():
     assert d.fallback_fcfs and d.run == [f"r{i}" for i in range(5)]
 
 
-def test_a_reader_with_minutes_in_hand_yields_its_slot_though_its_swap_is_dear():
-    """A full batch of 32; its last slot is held by a slow reader with a
-    long context that vLLM would recompute (no host tier). Its swap costs
-    the batch far more tokens than a newcomer's first interval is worth.
-    With 200 s of its answer buffered the pause frees the slot for minutes,
-    so the newcomer gets it; with 20 s in hand the pause buys too little
-    and the reader keeps its slot."""
-    cfg = TokenFlowConfig(dt=0.5)
-    policy = TokenFlowPolicy(cfg)
-    eng = EngineView(16, 400, 88, 32, decode_tps=640.0, step_rate=20.0, prefill_tps=500.0, running=32)
-    others = [RequestView(f"dry{i}", Phase.RUNNING, 0.0, 5.0, 0.0, 10, 1100, 26, 2, True) for i in range(31)]
-
-    def decide(buffer_tokens):
-        reader = RequestView("reader", Phase.RUNNING, 0.0, 5.0, buffer_tokens, 1000, 1100, 4000, 250, True)
-        newcomer = RequestView("new", Phase.WAITING, 1.0, 5.0, 0.0, 0, 1100, 16, 1, False)
-        return policy.decide(others + [reader, newcomer], eng), policy.priority(newcomer, eng)
-
-    d, newcomer_u = decide(1000.0)
-    swap_tokens = 4000 / 500.0 * 640.0  # the context recomputed, at the batch's speed
-    assert swap_tokens > 10 * newcomer_u  # charged whole, the reader would keep its slot
-    assert "new" in d.admit and "reader" in d.pause_hold + d.pause_release, d
-    d, _ = decide(100.0)
-    assert d is None or ("reader" in d.run and not d.admit), d
-
-
 def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     """A reader at its resume level takes the slot of a running reader with
     3 s of buffer while the readers need little of what the engine decodes;
@@ -258,8 +233,6 @@ def reference_key(cfg, r, eng, share=0.5):
             return KEEP_RUNNING, b / rate
         if share == 0 or b < resume_level + bonus / share:
             tier = GUARDED
-        # the swap's cost, spread over the intervals the reader can stay paused
-        bonus *= min(1.0, cfg.dt / ((b - resume_level) / rate))
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):

@@ -417,14 +417,6 @@ class TokenFlowPolicy:
                 # share of the engine swaps may take (the reader decodes
                 # about `bonus / share` tokens between resume and pause).
                 guarded = b < resume_level + bonus / share if share > 0.0 else True
-                # U compares tokens per interval, but one swap frees the slot
-                # for every interval the reader can stay paused before its
-                # resume level: its cost is spread over those. A reader with
-                # minutes in hand then yields to one that needs the slot now;
-                # one just past the pause level still pays the whole swap.
-                away = (b - resume_level) / rate
-                if away > dt:
-                    bonus *= dt / away
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
