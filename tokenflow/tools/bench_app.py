@@ -245,24 +245,36 @@ def engines_view(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def engine_rows(url: str) -> list[dict] | None:
-    """Each engine's last pushed state; None if the app does not answer."""
-    try:
-        return engines_view(url).get("engines", [])
-    except (OSError, ValueError):
-        return None
+def engine_rows(url: str, pushed_after: float | None = None, timeout: float = 5.0) -> list[dict] | None:
+    """Each engine's last pushed state; None if the app does not answer.
+    With `pushed_after` (a time.time()), waits up to `timeout` for every
+    engine to have pushed since then, so the rows count every request that
+    reached it before: the view lags the engines by up to a push interval
+    (an idle engine re-pushes a few times per stale_after_s). The engines'
+    clocks are this host's here (one node)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rows = engines_view(url).get("engines", [])
+        except (OSError, ValueError):
+            return None
+        if pushed_after is None or time.monotonic() > deadline or \
+                all((e.get("sent_at") or 0.0) > pushed_after for e in rows):
+            return rows
+        time.sleep(0.05)
 
 
-def received_by_engine(url: str) -> dict[str, int]:
-    """Requests each engine has received since it started; {} if unknown."""
-    return {e["engine_id"]: int(e.get("received_total") or 0) for e in engine_rows(url) or []}
+def received_by_engine(url: str, pushed_after: float | None = None) -> dict[str, int]:
+    """Requests each engine has received since it started (as of a push
+    after `pushed_after`, if given); {} if unknown."""
+    return {e["engine_id"]: int(e.get("received_total") or 0) for e in engine_rows(url, pushed_after) or []}
 
 
-def engine_counters(url: str, received_before: dict[str, int]) -> dict | None:
+def engine_counters(url: str, received_before: dict[str, int], pushed_after: float | None = None) -> dict | None:
     """Each engine's TokenFlow scheduler totals (pauses, resumes, recomputed
     tokens) and `received`: the requests routed to it since
     `received_before` (an uneven split of a burst shows here)."""
-    rows = engine_rows(url)
+    rows = engine_rows(url, pushed_after)
     if rows is None:
         return None
     return {e["engine_id"]: {**((e.get("scheduler") or {}).get("stats") or {}),
@@ -460,11 +472,12 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
                 calibration.update(load=wl.load, measured_with=policy)
                 wl = wl.at_load(calibration["decode_tps"], app_slots)
                 print_calibration(calibration, wl)
-            t0, received0 = time.monotonic(), received_by_engine(app.first_url)
+            # The readiness probe and the calibration are not this run's.
+            received0 = received_by_engine(app.first_url, pushed_after=time.time())
+            t0 = time.monotonic()
             records[policy] = drive(app, wl, policy, timeout, metrics)
             served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, **priority_of(app)}
-            time.sleep(0.5)  # the engines' last pushes
-            counters[policy] = engine_counters(app.first_url, received0)
+            counters[policy] = engine_counters(app.first_url, received0, pushed_after=time.time())
     return records, counters, served, calibration, wl
 
 
@@ -489,12 +502,13 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
             calibration.update(load=wl.load, measured_with="together")
             wl = wl.at_load(calibration["decode_tps"], per_app_slots)
             print_calibration(calibration, wl)
-        t0, received0 = time.monotonic(), {p: received_by_engine(url) for p, url in urls.items()}
+        now = time.time()
+        t0, received0 = time.monotonic(), {p: received_by_engine(url, pushed_after=now) for p, url in urls.items()}
         records = drive_apps(urls, app.model, wl, timeout, metrics)
         run_s = time.monotonic() - t0
         served = {p: {"config": path.name, "run_s": run_s, **priority_of(app)} for p in order}
-        time.sleep(0.5)  # the engines' last pushes
-        counters = {p: engine_counters(url, received0[p]) for p, url in urls.items()}
+        now = time.time()
+        counters = {p: engine_counters(url, received0[p], pushed_after=now) for p, url in urls.items()}
     return records, counters, served, calibration, wl
 
 

@@ -210,14 +210,13 @@ def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: fl
 
 def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: int, max_tokens: int,
             timeout: float) -> dict:
-    routed0 = received_by_engine(base_url) if app == OURS else {}
+    routed0 = received_by_engine(base_url, pushed_after=time.time()) if app == OURS else {}
     before, client0, t0 = cpu_seconds(procs), time.process_time(), time.monotonic()
     records = burst(base_url, model, requests, max_tokens, timeout)
     wall, client = time.monotonic() - t0, time.process_time() - client0
     after = cpu_seconds(procs)
     if app == OURS:
-        time.sleep(0.5)  # the engines' next pushes carry the last requests
-        routed = {e: n - routed0.get(e, 0) for e, n in received_by_engine(base_url).items()}
+        routed = {e: n - routed0.get(e, 0) for e, n in received_by_engine(base_url, pushed_after=time.time()).items()}
     else:
         routed = None  # stock Ray Serve LLM does not say
     cpu = by_role(procs, before, after, app)
