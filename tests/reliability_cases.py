@@ -297,7 +297,9 @@ ActorDiedError (or ActorUnavailableError) on the handle's stream:
   slot is handed on only once its holder's pid is gone and no process maps
   its bytes any more.
 - Counts: `replicas_lost` in `GET /v1/tokenflow/engines` (`resent`,
-  `continued`, `ended_mid_stream`, `gave_up`).
+  `continued`, `finished`, `ended_mid_stream`, `gave_up`). `finished`: the
+  engine was lost after the answer's last token and finish reason went out;
+  the ingress sends the closing usage chunk itself, with no error event.
 
 Test (tests/test_failover.py::test_replica_killed_during_a_burst, live
 app): 16 pairs of a stream (reading at 20 tokens/s) and a whole request

@@ -26,7 +26,7 @@ from tests.test_failover import scripted
 from tests.engines import ensure_model
 from tokenflow.core.config import CARRIED_KEY, SENT_KEY, WAITED_KEY, parse_carried
 from tokenflow.serve.continuation import Ledger, continuable, end_on_whole_character
-from tokenflow.serve.failover import LOST_MESSAGE, relay
+from tokenflow.serve.failover import LOST_MESSAGE, STOPPING, EngineLost, relay
 
 PROMPT = [1, 5, 9, 12]
 
@@ -298,7 +298,7 @@ def relayed(first, continuations, max_continuations=2):
 
     async def collect():
         return [x async for x in relay(lambda: ledger.watch(played(first)), 2, lambda o, cause: lost.append(o),
-                                       continue_after=continue_after)]
+                                       continue_after=continue_after, closing=ledger.closing)]
     return asyncio.run(collect()), lost, asked
 
 
@@ -314,6 +314,39 @@ def test_a_stream_lost_mid_answer_is_continued_seamlessly():
     assert evs[-1]["usage"]["completion_tokens"] == 4
     assert lost == ["continued", "continued"]
     assert [r.prompt for r in asked] == [PROMPT + [1]] * 2
+
+
+@pytest.mark.parametrize("spliced", [False, True])
+def test_a_stream_lost_after_its_last_token_is_closed_not_continued(spliced):
+    """The engine is lost between the answer's last token (with its finish
+    reason) and the closing usage chunk: on the stream as first opened, or
+    on a continuation. The ingress sends the usage chunk itself: no error
+    event, and no continuation generating past the answer's end."""
+    end = [completion_chunk("cmpl-2" if spliced else "cmpl-1", "cd", [3, 4], finish="length"), EngineLost(STOPPING)]
+    if spliced:
+        first = [completion_chunk("cmpl-1", "a", [1], prompt=PROMPT), ActorDiedError()]
+        continuations = [[completion_chunk("cmpl-2", "b", [2], prompt=PROMPT + [1])] + end]
+    else:
+        first = [completion_chunk("cmpl-1", "ab", [1, 2], prompt=PROMPT)] + end
+        continuations = []
+    out, lost, asked = relayed(first, continuations)
+    evs = events(out)
+    assert not any("error" in ev for ev in evs) and len(asked) == len(continuations)
+    assert "".join(ev["choices"][0]["text"] for ev in evs if ev["choices"]) == "abcd"
+    assert {ev["id"] for ev in evs} == {"cmpl-1"}
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8,
+                                                              "completion_tokens": 4}
+    assert lost == ["continued"] * spliced + ["finished"]
+
+
+def test_an_answer_that_ended_early_is_not_continued_past_its_end():
+    # Its end token came before max_tokens (finish "stop"): 3 tokens are
+    # left by the count, none by the answer.
+    out, lost, asked = relayed([completion_chunk("cmpl-1", "a", [1], prompt=PROMPT, finish="stop"),
+                                ActorDiedError()], [])
+    evs = events(out)
+    assert asked == [] and lost == ["finished"] and not any("error" in ev for ev in evs)
+    assert evs[-1]["usage"]["completion_tokens"] == 1
 
 
 def test_continuations_are_bounded_then_the_error_event():

@@ -183,6 +183,30 @@ def test_a_stopping_replica_hands_its_streams_over():
     assert asyncio.run(whole()) == [sse("a"), sse("b")]
 
 
+def test_a_stopping_replica_lets_a_finished_answer_end():
+    """Serve stops the replica after the chunk with the answer's finish
+    reason went out: what is left (the usage chunk, [DONE]) comes at once,
+    so the stream ends there instead of being handed over with nothing
+    left to generate (a redeploy in one CI run did that, and the stream
+    ended with an error event after all its tokens)."""
+    def compact(ev):  # as vLLM writes its chunks
+        return f"data: {json.dumps(ev, separators=(',', ':'))}\n\n"
+    last = compact({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]})
+    usage = compact({"choices": [], "usage": {"completion_tokens": 2}})
+    script = [[compact({"choices": [{"index": 0, "text": "a", "finish_reason": None}]})], [last], [usage],
+              "data: [DONE]\n\n"]
+    stopping = False
+
+    async def collect():
+        nonlocal stopping
+        out = []
+        async for x in bounce_if_engine_dead(scripted(script)[0](), lambda: False, lambda: stopping):
+            out.append(x)
+            stopping = stopping or x == [last]  # Serve stops it as the last token goes out
+        return out
+    assert asyncio.run(collect()) == script
+
+
 def test_a_resend_drops_the_engine_the_request_named():
     """A pinned request whose engine is lost goes where the slack routing
     sends it: its re-send names no engine; the client's request is untouched."""

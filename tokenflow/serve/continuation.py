@@ -49,6 +49,7 @@ from tokenflow.core.config import (
     WAITED_KEY,
     stated_rate,
 )
+from tokenflow.serve.sse import answer_over
 
 # Where vLLM (compact JSON) writes the ids. A quote inside a string is
 # escaped, so text cannot match; `"token_ids":[` is not inside the other.
@@ -119,6 +120,9 @@ class Ledger:
         self._times: list[tuple[float, int]] = []  # (when, how many) of each chunk with tokens
         self.on_splice = on_splice
         self._gap_from: tuple[float, float] | None = None  # (last token before the loss, buffer then, s)
+        # The answer's finish reason went out: a loss now is not continued
+        # (it would generate past the answer's end); `closing()` ends it.
+        self.finished = False
 
     @property
     def sent_ids(self) -> list[int]:
@@ -145,6 +149,8 @@ class Ledger:
             return [self._note(x) for x in item]
         if not isinstance(item, str):
             return item
+        if not self.finished and answer_over(item):
+            self.finished = True
         if self.prompt_ids is None and (i := item.find(_PROMPT_IDS)) >= 0:
             j = item.find("]", i)
             self.prompt_ids = json.loads(item[i + len(_PROMPT_IDS) - 1:j + 1])
@@ -185,7 +191,8 @@ class Ledger:
         must go to (its engine moved it there), while that engine serves."""
         from ray.serve.llm.openai_api_models import CompletionRequest
 
-        if self.continued >= self.max_continuations or self.prompt_ids is None or self.stream_id is None:
+        if (self.finished or self.continued >= self.max_continuations or self.prompt_ids is None
+                or self.stream_id is None):
             return None
         body = self.body
         sent = self.sent_ids
@@ -216,6 +223,22 @@ class Ledger:
                                  stream=True, stream_options=body.stream_options, return_token_ids=True,
                                  vllm_xargs=xargs, **fields)
 
+    def closing(self) -> list[str] | None:
+        """What ends the stream once its whole answer went out and only the
+        closing chunks were lost: the usage chunk, if the client asked for
+        one ([DONE] follows from Serve LLM's stream wrapper); None while
+        the answer is not over."""
+        if not self.finished or self.prompt_ids is None:
+            return None
+        opts = getattr(self.body, "stream_options", None)
+        if not (opts and getattr(opts, "include_usage", False)):
+            return []
+        prompt, done = len(self.prompt_ids), len(self.sent_ids)
+        out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.body.model, "choices": [],
+               "usage": {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}}
+        return [f"data: {json.dumps(out, separators=(',', ':'))}\n\n"]
+
     async def splice(self, gen: AsyncIterator) -> AsyncIterator:
         """Yield a continuation's items as parts of the client's stream."""
         async for item in gen:
@@ -234,6 +257,7 @@ class Ledger:
         for ch in ev.get("choices") or ():
             if ch.get("prompt_token_ids"):  # the first chunk: the prompt the replica ran
                 self._cut(len(self.prompt_ids) + self._base - len(ch["prompt_token_ids"]))
+            self.finished = self.finished or ch.get("finish_reason") is not None
             ids = ch.get("token_ids") or []
             self.sent_ids.extend(ids)
             n += len(ids)

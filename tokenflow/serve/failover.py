@@ -27,7 +27,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from ray import exceptions as ray_exceptions
 
 from tokenflow.core.config import PIN_KEY
-from tokenflow.serve.sse import count_chunk, moved_to, sse_events
+from tokenflow.serve.sse import answer_over, count_chunk, moved_to, sse_events
 
 logger = logging.getLogger("ray.serve")
 
@@ -91,7 +91,9 @@ def unavailable_response(message: str):
 # What became of a request whose replica was lost (counted by the ingress),
 # and why it was lost: the engine failed, Serve stopped its replica, or its
 # engine moved the stream to one with slack (routing/rebalance.py).
-OUTCOMES = ("resent", "continued", "ended_mid_stream", "gave_up")
+# "finished": the loss came after the answer's last token and finish reason
+# went out, so the ingress closed the stream itself.
+OUTCOMES = ("resent", "continued", "finished", "ended_mid_stream", "gave_up")
 CAUSES = ("failure", "shutdown", "rebalance")
 
 
@@ -124,8 +126,8 @@ def loss_cause(e: BaseException) -> str:
 async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 on_lost: Callable[[str, str], None] | None = None, resend_after_s: float = 0.0,
                 abandon: Callable[[], Awaitable[None]] | None = None,
-                continue_after: Callable[[str | None], Callable[[], AsyncIterator] | None] | None = None
-                ) -> AsyncIterator:
+                continue_after: Callable[[str | None], Callable[[], AsyncIterator] | None] | None = None,
+                closing: Callable[[], list | None] | None = None) -> AsyncIterator:
     """Yield the items of open_stream(). When the replica is lost before any
     token went out, re-open it (at most `resends` times); after tokens went
     out, ask continue_after(to) for a stream that continues the answer on
@@ -137,7 +139,9 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
     straight back to an engine that has just lost its core). on_lost hears
     each loss as one of OUTCOMES and one of CAUSES; abandon() is awaited before each new
     attempt, to cancel what the lost one may still be doing (an unreachable
-    replica is not always a dead one)."""
+    replica is not always a dead one). closing() gives the chunks that end
+    a stream whose whole answer went out already (continuation.py), else
+    None: such a stream is closed with them, not continued or cut."""
     flowing, resent = False, 0
     while True:
         held: list = []
@@ -162,6 +166,15 @@ async def relay(open_stream: Callable[[], AsyncIterator], resends: int,
                 yield x
             return
         except Exception as e:
+            if flowing and closing is not None and (last := closing()) is not None:
+                # Only what follows the last token was lost (a replica
+                # stopped or died between the two): close the stream here.
+                if engine_lost(e) and on_lost is not None:
+                    on_lost("finished", loss_cause(e))
+                logger.info(f"TokenFlow ingress: stream lost after its last token, closed here: {e!r}")
+                for x in last:
+                    yield x
+                return
             if not engine_lost(e):
                 if not flowing:
                     raise  # nothing went out: the ingress answers with its own error
@@ -214,13 +227,15 @@ async def bounce_if_engine_dead(gen: AsyncIterator, dead: Callable[[], bool],
     of Serve holding the shutdown open until `graceful_shutdown_timeout_s`
     cuts it. A stream its engine holds paused sends no chunk, so it is
     handed over when it runs again (the policy resumes it before its reader
-    runs dry). One wrapper for both: it runs on every chunk."""
+    runs dry). A stream whose answer is over (its finish reason went out)
+    is left to end: only its closing chunks are still to come, at once.
+    One wrapper for both: it runs on every chunk."""
     try:
         async for item in gen:
             if dead() and is_error_event(item):  # dead() first: a cheap read on every chunk
                 raise EngineLost(CORE_DIED)
             yield item
-            if stopping():  # a cheap read too
+            if stopping() and not answer_over(item):  # a cheap read first
                 await gen.aclose()
                 raise EngineLost(STOPPING)
     except EngineLost:

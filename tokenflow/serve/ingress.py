@@ -176,7 +176,8 @@ class TokenFlowIngress(OpenAiIngress):
         whole = False  # a whole answer (or an error) came back: the engine call is over
         try:
             async for item in failover.relay(open_stream, self._tf_max_resends, self._tf_on_lost, settle,
-                                             attempts.abandon, continue_after):
+                                             attempts.abandon, continue_after,
+                                             ledger.closing if ledger is not None else None):
                 whole = not isinstance(item, (str, list))  # stream chunks are SSE text, or lists of it
                 yield item
         except (asyncio.CancelledError, GeneratorExit):

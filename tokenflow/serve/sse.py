@@ -43,6 +43,22 @@ def moved_to(item: Any) -> str | None:
 _COMPLETION_TOKENS = re.compile(r'"completion_tokens":\s*(\d+)')
 
 
+# A choice's finish reason once it has one (a chunk still going on writes
+# `"finish_reason":null`), and a chunk without choices (the closing usage
+# chunk), as vLLM writes them (compact JSON).
+_FINISHED = '"finish_reason":"'
+_NO_CHOICES = '"choices":[]'
+
+
+def answer_over(item: Any) -> bool:
+    """Whether a chunk (or a batch) ends the answer or comes after its end:
+    it carries the finish reason, or it is the closing usage chunk or
+    [DONE]. Read from the text without parsing it."""
+    if isinstance(item, (list, tuple)):
+        return any(answer_over(x) for x in item)
+    return isinstance(item, str) and (_FINISHED in item or _NO_CHOICES in item or item.startswith("data: [DONE]"))
+
+
 def sse_events(text: str):
     """The JSON objects of an SSE text's `data:` lines ([DONE] and non-JSON skipped)."""
     for line in text.splitlines():
