@@ -121,6 +121,31 @@ def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     assert first.admit == ["new"] and len(first.run) == 3 and "dry" not in first.run
 
 
+def test_readers_about_to_stall_buy_guarded_places_within_the_swap_budget():
+    """Five readers at their resume level, four guarded readers in the four
+    slots. With spare capacity the stalling readers take guarded places
+    while the swaps cost at most the interval's budget (the share of what
+    the engine decodes in an interval): 3 of the 5 here, each swap costing
+    about 22 tokens of a 77-token budget. Near capacity the budget buys no
+    swap and the guarded keep their slots."""
+    policy = TokenFlowPolicy(TokenFlowConfig(dt=0.5))
+    # 4 slots, 400 tokens/s; re-adding a request costs the batch 50 ms.
+    eng = EngineView(16, 1000, 960, 4, decode_tps=400.0, step_rate=100.0, prefill_tps=1000.0,
+                     step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=1000, running=4, start_s=0.05)
+    running = [RequestView(f"run{i}", Phase.RUNNING, 0.0, 10.0, 30.0, 40, 1000, 100, 7, True) for i in range(4)]
+    dry = [RequestView(f"dry{i}", Phase.PAUSED, 0.0, 10.0, 0.0, 40, 1000, 100, 7, False, host_blocks=6)
+           for i in range(5)]
+    d = policy.decide(running + dry, eng)
+    assert all(policy.rank_key(r, eng, d.swap_share)[0] == GUARDED for r in running)
+    assert 70 < d.swap_budget < 85, d.swap_budget
+    assert sorted(d.run) == ["dry0", "dry1", "dry2", "run0"], d.run
+    # Readers parked with lots of buffer need 280 tokens/s more: near capacity.
+    parked = [RequestView(f"far{i}", Phase.PAUSED, 0.0, 70.0, 7000.0, 900, 1000, 960, 61, False) for i in range(4)]
+    near = policy.decide(running + dry + parked, eng)
+    assert 0 < near.swap_budget < 22, near.swap_budget
+    assert sorted(near.run) == [f"run{i}" for i in range(4)]
+
+
 # --- invariants -------------------------------------------------------------
 phases = st.sampled_from([Phase.WAITING, Phase.RUNNING, Phase.PAUSED])
 
@@ -300,7 +325,7 @@ def check_follows_rank(policy, reqs, eng):
     newcomers = sorted((r for r in reqs if r.phase is Phase.WAITING and r.req_id in chosen),
                        key=lambda r: r.arrival_time)
     candidates = [r for r in reqs if r.phase is not Phase.WAITING] + newcomers
-    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share)]
+    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share, d.swap_budget)]
     assert d.order == [i for i in ranked if i in chosen]
     by_id = {r.req_id: r for r in reqs}
     released = [by_id[i].buffer_s for i in d.pause_release if by_id[i].kv_resident]

@@ -29,7 +29,10 @@ Steps, as in the paper:
     within the share of the engine swaps may take: half its spare capacity,
     the readers' need against what the batch that fits in KV decodes
     (`swap_share`). As the need nears capacity, readers run longer between
-    swaps; at capacity no reader is swapped out for another. A
+    swaps; at capacity no reader is swapped out for another. A reader at
+    its resume level may still take a guarded reader's place while the
+    swaps so made this interval cost within that share of what the engine
+    decodes in an interval (it would stall otherwise). A
     waiting request whose reader has begun (a stream continued from a lost
     engine, or one vLLM preempted) is a released pause: it jumps ahead of
     newcomers only when its buffer nears that level.
@@ -138,6 +141,10 @@ class Decision:
     # The share of the engine's decode time that swaps may take this
     # interval: half its spare capacity (see `swap_share`). 0: none.
     swap_share: float = 0.5
+    # That share of what the engine decodes in one interval, in tokens:
+    # what readers at their resume level may spend this interval on taking
+    # guarded readers' places (`TokenFlowPolicy.rank`). 0: nothing.
+    swap_budget: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +298,9 @@ class TokenFlowPolicy:
             return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
             return fcfs_decision(reqs)
-        share = swap_share(pool.required, fitting_capacity(pool, eng, cfg.kv_headroom))
+        capacity = fitting_capacity(pool, eng, cfg.kv_headroom)
+        share = swap_share(pool.required, capacity)
+        budget = share * capacity * cfg.dt if capacity else 0.0
         by_arrival = sorted(pool.waiting, key=_ARRIVAL)
         # The earliest arrivals get the room; the rest are deferred. The
         # working set never defers a newcomer that fits in the free slots and
@@ -301,9 +310,9 @@ class TokenFlowPolicy:
         newcomers, deferred = by_arrival[:room], by_arrival[room:]
         candidates = pool.active + newcomers
         # sorted() is stable: equal keys keep the order of `candidates`.
-        chosen = self.pack(self.rank(candidates, eng, share), eng)
+        chosen = self.pack(self.rank(candidates, eng, share, budget), eng)
         d = self.to_decision(pool, chosen, deferred, eng)
-        d.swap_share = share
+        d.swap_share, d.swap_budget = share, budget
         return d
 
     def needs_decision(self, q: QueueCounts) -> bool:
@@ -342,15 +351,18 @@ class TokenFlowPolicy:
         return max(0 if n_running else 1, math.floor(w_sched) - n_current)
 
     def rank(self, candidates: list[RequestView], eng: EngineView,
-             share: float = DEFAULT_SWAP_SHARE) -> list[RequestView]:
+             share: float = DEFAULT_SWAP_SHARE, budget: float = 0.0) -> list[RequestView]:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
         highest first. Guarded running readers rank with the newcomers, by
         U, ahead of every other running or paused request: a paused reader
         at its resume level takes free room or an unguarded reader's place,
-        never a guarded one's, and those it cannot have wait behind the
-        guarded. Sorts are stable: equal keys keep the given order."""
-        keep, resume, guard, rest = self.tiers(candidates, eng, share)
+        and a guarded one's only while the swaps so made cost the batch at
+        most `budget` tokens (the guarded of lowest U first). Those it
+        cannot have wait behind the guarded. Sorts are stable: equal keys
+        keep the given order."""
+        costs: list[float] = []
+        keep, resume, guard, rest = self.tiers(candidates, eng, share, costs)
         keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
         if not guard:
             return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE)))
@@ -359,18 +371,34 @@ class TokenFlowPolicy:
         for p in rest:
             (ahead if p[1].phase is waiting and not p[1].reading else others).append(p)
         ahead = list(map(_REQUEST, sorted(ahead, key=_VALUE)))
-        room = {id(r) for r in self.pack(keep + [r for _, r in guard] + resume, eng)}
+        room = self.room_beside_guard(keep, resume, guard, costs, budget, eng)
         first = [r for r in resume if id(r) in room]
         later = [r for r in resume if id(r) not in room]
         return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE)))
 
-    def tiers(self, reqs: list[RequestView], eng: EngineView,
-              share: float = DEFAULT_SWAP_SHARE) -> tuple[list, list, list, list]:
+    def room_beside_guard(self, keep: list[RequestView], resume: list[RequestView], guard: list,
+                          costs: list[float], budget: float, eng: EngineView) -> set[int]:
+        """Which requests the slots and KV hold (as ids) when the guarded
+        keep theirs, less those whose swaps readers at their resume level
+        may buy: a reader about to stall loses what it reads while it
+        waits, and the swap's cost comes out of capacity that, below the
+        readers' need, would only fill buffers. `budget` bounds that spend
+        per interval as the guard bounds each reader's (`swap_share`)."""
+        held = sorted(zip(guard, costs), key=lambda g: g[0][0])  # highest U first
+        while True:
+            room = {id(r) for r in self.pack(keep + [g[0][1] for g in held] + resume, eng)}
+            if not held or all(id(r) in room for r in resume) or held[-1][1] > budget:
+                return room
+            budget -= held.pop()[1]
+
+    def tiers(self, reqs: list[RequestView], eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
+              costs: list[float] | None = None) -> tuple[list, list, list, list]:
         """Each request as a (value, request) pair in its tier, in the given
         order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
         GUARDED and BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
         all candidates per decision, so the constants are bound once and the
-        clamps are comparisons, not min()/max()."""
+        clamps are comparisons, not min()/max(). `costs`, if given, gets
+        each guarded request's swap cost in tokens, in the guard's order."""
         cfg = self.cfg
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
@@ -429,7 +457,13 @@ class TokenFlowPolicy:
             useful = high * r.max_tokens - b + rate * dt
             useful = useful if useful > 0.0 else 0.0
             useful = useful if useful < speed_dt else speed_dt
-            (guard if guarded else rest).append((-(useful + gamma * exp(-b / rate) + bonus), r))
+            value = -(useful + gamma * exp(-b / rate) + bonus)
+            if guarded:
+                guard.append((value, r))
+                if costs is not None:
+                    costs.append(bonus)
+            else:
+                rest.append((value, r))
         return keep, resume, guard, rest
 
     def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> tuple[int, float]:

@@ -56,6 +56,7 @@ class DecisionTrace:
                 }
         if decision is not None:
             line.update(fallback=decision.fallback_fcfs, swap_share=decision.swap_share,
+                        swap_budget=round(decision.swap_budget, 2),
                         run=short(decision.run), admit=short(decision.admit),
                         pause_hold=short(decision.pause_hold), pause_release=short(decision.pause_release),
                         defer=short(decision.defer), wait=short(decision.wait))
