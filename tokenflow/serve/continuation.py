@@ -233,11 +233,9 @@ class Ledger:
         opts = getattr(self.body, "stream_options", None)
         if not (opts and getattr(opts, "include_usage", False)):
             return []
-        prompt, done = len(self.prompt_ids), len(self.sent_ids)
         out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.body.model, "choices": [],
-               "usage": {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}}
-        return [f"data: {json.dumps(out, separators=(',', ':'))}\n\n"]
+               "created": self.created, "model": self.body.model, "choices": []}
+        return [self._event(out, len(self.sent_ids))]
 
     async def splice(self, gen: AsyncIterator) -> AsyncIterator:
         """Yield a continuation's items as parts of the client's stream."""
@@ -269,8 +267,13 @@ class Ledger:
         out = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat else ev.get("object"),
                "created": self.created if self.created is not None else ev.get("created"),
                "model": ev.get("model"), "choices": choices}
-        if ev.get("usage"):
-            prompt, done = len(self.prompt_ids), self._base + ev["usage"]["completion_tokens"]
+        return self._event(out, self._base + ev["usage"]["completion_tokens"] if ev.get("usage") else None)
+
+    def _event(self, out: dict, done: int | None) -> str:
+        """`out` as the client's SSE event, compact as vLLM writes it; with
+        usage counting the whole answer's `done` tokens, unless None."""
+        if done is not None:
+            prompt = len(self.prompt_ids)
             out["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
         return f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
 

@@ -131,9 +131,10 @@ SPECS = (
     # the ingress's failover and continuation (tokenflow/serve/failover.py, continuation.py)
     Spec("tokenflow_engine_losses", "counter",
          "Requests whose engine was lost under them, by outcome: resent (no token yet), continued (on another "
-         "engine), finished (lost after its last token: the ingress closed the stream), ended_mid_stream (error event), gave_up (503 after the re-sends); and by cause: failure (the "
-         "replica or its engine died), shutdown (Serve stopped the replica: a redeploy or a scale-down), rebalance "
-         "(its busy engine moved the stream to one with slack).",
+         "engine), finished (lost after its last token: the ingress closed the stream), ended_mid_stream (error "
+         "event), gave_up (503 after the re-sends); and by cause: failure (the replica or its engine died), "
+         "shutdown (Serve stopped the replica: a redeploy or a scale-down), rebalance (its busy engine moved the "
+         "stream to one with slack).",
          tags=ROUTER_TAGS + ("outcome", "cause")),
     Spec("tokenflow_continuation_gap_seconds", "histogram",
          "Per continued stream: the time its reader got no token, from the last token before the loss to the "
