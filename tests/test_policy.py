@@ -314,6 +314,29 @@ def test_rank_key_is_the_papers_rules(pop):
             (key[1], r.req_id) for r, key in zip(reqs, expected) if key[0] == tier]
 
 
+def reference_room(policy, keep, resume, guard, costs, budget, eng):
+    """room_beside_guard() written plainly: pack everyone again each time
+    the guarded reader of lowest U gives up its place."""
+    held = sorted(zip(guard, costs), key=lambda g: g[0][0])
+    while True:
+        room = {id(r) for r in policy.pack(keep + [g[0][1] for g in held] + resume, eng)}
+        if not held or all(id(r) in room for r in resume) or held[-1][1] > budget:
+            return {id(r) for r in resume} & room
+        budget -= held.pop()[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tied_populations(), st.sampled_from([0.0, 0.5, 0.05]), st.floats(0, 500))
+def test_room_beside_the_guard_is_one_pack_of_the_plain_loop(pop, share, budget):
+    reqs, eng, cfg = pop
+    policy = TokenFlowPolicy(cfg)
+    costs = []
+    keep, resume, guard, _ = policy.tiers(reqs, eng, share, costs)
+    keep, resume = ([r for _, r in sorted(t, key=lambda p: p[0])] for t in (keep, resume))
+    assert policy.room_beside_guard(keep, resume, guard, costs, budget, eng) == \
+        reference_room(policy, keep, resume, guard, costs, budget, eng)
+
+
 def check_follows_rank(policy, reqs, eng):
     """The decision keeps the rank's order, and of the paused ones left
     out, those that give their KV up have the larger buffers."""

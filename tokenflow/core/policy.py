@@ -371,25 +371,57 @@ class TokenFlowPolicy:
         for p in rest:
             (ahead if p[1].phase is waiting and not p[1].reading else others).append(p)
         ahead = list(map(_REQUEST, sorted(ahead, key=_VALUE)))
-        room = self.room_beside_guard(keep, resume, guard, costs, budget, eng)
+        room = self.room_beside_guard(keep, resume, guard, costs, budget, eng) if resume else set()
         first = [r for r in resume if id(r) in room]
         later = [r for r in resume if id(r) not in room]
         return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE)))
 
     def room_beside_guard(self, keep: list[RequestView], resume: list[RequestView], guard: list,
                           costs: list[float], budget: float, eng: EngineView) -> set[int]:
-        """Which requests the slots and KV hold (as ids) when the guarded
-        keep theirs, less those whose swaps readers at their resume level
-        may buy: a reader about to stall loses what it reads while it
-        waits, and the swap's cost comes out of capacity that, below the
-        readers' need, would only fill buffers. `budget` bounds that spend
-        per interval as the guard bounds each reader's (`swap_share`)."""
+        """Which readers at their resume level (as ids) the slots and KV
+        hold when the guarded keep theirs, less those whose swaps they may
+        buy: a reader about to stall loses what it reads while it waits,
+        and the swap's cost comes out of capacity that, below the readers'
+        need, would only fill buffers. `budget` bounds that spend per
+        interval as the guard bounds each reader's (`swap_share`). The
+        guarded of lowest U are given up first, while their swaps fit in
+        the budget and some reader at its resume level is still left out."""
+        cap, grow, slots = self.pack_limits(eng)
+        waiting = Phase.WAITING
+
+        def take(r: RequestView, used: int, n: int) -> tuple[int, int]:
+            """pack()'s step: the state after it meets `r`."""
+            need = r.blocks if r.phase is waiting else r.blocks + grow
+            if n >= slots or (used + need > cap and n):
+                return used, n
+            return used + need, n + 1
+
         held = sorted(zip(guard, costs), key=lambda g: g[0][0])  # highest U first
+        # pack()'s state after the keep and after each prefix of the held,
+        # so that giving up the last held reader repacks only the resume.
+        used = n = 0
+        for r in keep:
+            if n >= slots:
+                break
+            used, n = take(r, used, n)
+        states = [(used, n)]
+        for (_, r), _ in held:
+            if n >= slots:  # full: every longer prefix leaves this state
+                break
+            used, n = take(r, used, n)
+            states.append((used, n))
+        m = len(held)
         while True:
-            room = {id(r) for r in self.pack(keep + [g[0][1] for g in held] + resume, eng)}
-            if not held or all(id(r) in room for r in resume) or held[-1][1] > budget:
+            (used, n), room = states[min(m, len(states) - 1)], set()
+            for r in resume:
+                after = take(r, used, n)
+                if after[1] > n:
+                    room.add(id(r))
+                    used, n = after
+            if not m or len(room) == len(resume) or held[m - 1][1] > budget:
                 return room
-            budget -= held.pop()[1]
+            m -= 1
+            budget -= held[m][1]
 
     def tiers(self, reqs: list[RequestView], eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
               costs: list[float] | None = None) -> tuple[list, list, list, list]:
@@ -481,11 +513,17 @@ class TokenFlowPolicy:
         tier, value = self.rank_key(r, eng, share)
         return -value if tier in (GUARDED, BY_PRIORITY) else math.inf
 
+    def pack_limits(self, eng: EngineView) -> tuple[int, int, int]:
+        """(KV blocks to fill, blocks a running request grows by in an
+        interval, sequence slots): what pack() fills."""
+        cap = eng.total_blocks - headroom_blocks(self.cfg.kv_headroom, eng.total_blocks)
+        grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
+        return cap, grow, eng.max_num_seqs
+
     def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
         """Take requests in order while sequence slots and KV blocks last."""
-        budget = eng.total_blocks - headroom_blocks(self.cfg.kv_headroom, eng.total_blocks)
-        grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
-        slots, waiting = eng.max_num_seqs, Phase.WAITING
+        budget, grow, slots = self.pack_limits(eng)
+        waiting = Phase.WAITING
         chosen, used = [], 0
         for r in ordered:
             need = r.blocks if r.phase is waiting else r.blocks + grow
