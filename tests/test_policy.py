@@ -471,6 +471,12 @@ def test_bench_policy_against_another_policy_module(tmp_path):
     changed = tmp_path / "policy.py"
     changed.write_text(open(this.__file__).read().replace("keep.append((b / rate, r))", "keep.append((-b / rate, r))"))
     assert compare(str(changed), n=400, rounds=2, per_round=1)["same_decision"] is False
+    # The stalling population: readers at their resume level buy guarded
+    # places; a policy that stops after the first decides differently.
+    stingy = tmp_path / "stingy.py"
+    stingy.write_text(open(this.__file__).read().replace("budget -= held[m][1]", "budget = -1.0"))
+    assert compare(this.__file__, n=100, rounds=2, per_round=1, population_name="stalling")["same_decision"]
+    assert compare(str(stingy), n=100, rounds=2, per_round=1, population_name="stalling")["same_decision"] is False
     out = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-policy", "--against", "/no/such.py"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "no such policy module" in out.stderr

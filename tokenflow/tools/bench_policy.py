@@ -1,7 +1,12 @@
 """Decision time of a policy over synthetic populations (`tokenflow bench-policy`).
 
-The population is a burst in progress: a third waiting, a half running with
-buffers of 0-30 s, the rest paused; KV is tight so every call has to pack.
+Two populations (`--population`):
+- burst: a burst in progress: a third waiting, a half running with buffers
+  of 0-30 s, the rest paused; KV is tight so every call has to pack;
+- stalling: every slot held by a guarded reader (past its pause level, not
+  yet past its swap's share), and readers at their resume level outside
+  with spare capacity, so each decision buys guarded places within the
+  swap budget (`TokenFlowPolicy.room_beside_guard`).
 """
 
 from __future__ import annotations
@@ -41,10 +46,31 @@ def population(n: int, seed: int = 0) -> tuple[list[RequestView], EngineView]:
     return reqs, eng
 
 
-def measure(policy_name: str, n: int, repeats: int = 200) -> dict:
+def stalling(n: int, seed: int = 0) -> tuple[list[RequestView], EngineView]:
+    """Seven in ten of `n` run, each a guarded reader; the rest are paused
+    with empty buffers, their KV released to the host."""
+    rng = random.Random(seed)
+    slots = max(1, 7 * n // 10)
+    reqs = [RequestView(f"run-{i}", Phase.RUNNING, 0.0, 10.0, 30.0 + rng.random(), 40, 1000, 100, 7, True)
+            for i in range(slots)]
+    reqs += [RequestView(f"dry-{i}", Phase.PAUSED, 0.0, 10.0, 0.0, 40, 1000, 100, 7, False, host_blocks=6)
+             for i in range(n - slots)]
+    # A fixed cost of 10 ms a step: what the readers need (10 tokens/s each)
+    # is a tenth of what the slots decode; the budget buys 16 places a
+    # decision at every size.
+    eng = EngineView(block_size=16, total_blocks=100 * n, free_blocks=96 * n, max_num_seqs=slots,
+                     decode_tps=100.0 * slots, step_rate=100.0, prefill_tps=1000.0, start_s=0.01,
+                     step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=100 * n, running=slots)
+    return reqs, eng
+
+
+POPULATIONS = {"burst": population, "stalling": stalling}
+
+
+def measure(policy_name: str, n: int, repeats: int = 200, build=population) -> dict:
     cfg = TokenFlowConfig(policy=policy_name)
     policy = TokenFlowPolicy(cfg) if policy_name == "tokenflow" else AndesPolicy(cfg)
-    reqs, eng = population(n)
+    reqs, eng = build(n)
     wall, cpu = [], []
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
@@ -64,14 +90,17 @@ def _stats(tag: str, xs: list[float]) -> dict:
     }
 
 
-def main(sizes=(100, 400, 1000), policies=("tokenflow", "andes"), repeats: int = 200) -> list[dict]:
-    rows = [measure(p, n, repeats) for p in policies for n in sizes]
+def main(sizes=(100, 400, 1000), policies=("tokenflow", "andes"), repeats: int = 200,
+         population_name: str = "burst") -> list[dict]:
+    build = POPULATIONS[population_name]
+    rows = [{**measure(p, n, repeats, build), "population": population_name} for p in policies for n in sizes]
     for row in rows:
         print(json.dumps(row))
     return rows
 
 
-def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50) -> dict:
+def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50,
+            population_name: str = "burst") -> dict:
     """A/B the policy against another version of tokenflow/core/policy.py
     (for example `git show REV:tokenflow/core/policy.py > /tmp/p.py`):
     decide() at `n` requests, rounds alternating which runs first, so that
@@ -83,7 +112,7 @@ def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50
     other = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = other  # dataclasses look their module up there
     spec.loader.exec_module(other)
-    reqs, eng = population(n)
+    reqs, eng = POPULATIONS[population_name](n)
     views = {"this": (TokenFlowPolicy(TokenFlowConfig()), reqs, eng),
              "other": (other.TokenFlowPolicy(TokenFlowConfig()), *_rebuilt(other, reqs, eng))}
     medians: dict[str, list[float]] = {"this": [], "other": []}
@@ -99,7 +128,7 @@ def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50
     decisions = [p.decide(rs, e) for p, rs, e in views.values()]
     same = [d and (d.order, d.pause_hold, d.pause_release) for d in decisions]
     this, other_ms = (statistics.median(medians[k]) * 1e3 for k in ("this", "other"))
-    row = {"requests": n, "this_median_ms": round(this, 4), "other_median_ms": round(other_ms, 4),
+    row = {"requests": n, "population": population_name, "this_median_ms": round(this, 4), "other_median_ms": round(other_ms, 4),
            "ratio": round(this / other_ms, 3), "same_decision": same[0] == same[1]}
     print(json.dumps(row))
     return row

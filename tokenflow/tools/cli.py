@@ -25,9 +25,9 @@ def _cmd_bench_policy(args) -> int:
     from tokenflow.tools.bench_policy import compare, main
 
     if args.against:
-        compare(args.against)
+        compare(args.against, population_name=args.population)
     else:
-        main(sizes=args.sizes, repeats=args.repeats)
+        main(sizes=args.sizes, repeats=args.repeats, population_name=args.population)
     return 0
 
 
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=500)
     b.add_argument("--against", metavar="POLICY_PY",
                    help="A/B at 400 requests against another version of tokenflow/core/policy.py")
+    b.add_argument("--population", choices=["burst", "stalling"], default="burst",
+                   help="burst: a burst in progress; stalling: readers at their resume level "
+                        "behind guarded readers in every slot")
     b.set_defaults(func=_cmd_bench_policy)
     c = sub.add_parser("bench", help="same workload under fcfs, andes and tokenflow, side by side")
     c.add_argument("--out", default="out/bench")
