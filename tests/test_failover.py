@@ -741,13 +741,17 @@ def _serve_replicas(deployment: str) -> dict[str, str]:
     return {x["replica_id"]: x["state"] for x in app["deployments"][deployment]["replicas"]}
 
 
-# Seconds between the pairs sent while a redeploy rolls out, and their length.
-# A rollout runs on one engine while the other is replaced, so the pairs ask
-# what one engine carries on the slowest machine seen: a pair every 1.5 s
-# (about 670 tokens/s) outran one engine of a slow CI machine (about 300
-# tokens/s) while the new engine's start shared its two cores, and every
-# stream then running stalled up to 57 s.
-REDEPLOY_PAIR_GAP_S, REDEPLOY_TOKENS = 3.0, 500
+# Pairs kept in flight while a redeploy rolls out, and their length. A
+# rollout runs on one engine while the other is replaced, so the pairs ask
+# no more than one engine carries on the slowest machine seen: pairs sent
+# at a fixed 1.5 s gap (about 670 tokens/s) outran one engine of a slow CI
+# machine (about 300 tokens/s) while the new engine's start shared its two
+# cores, and every stream then running stalled up to 57 s. A fixed 3 s gap
+# in turn left a fast machine's engines idle between streams (500 tokens in
+# about 2 s), so both old engines could stop with no stream to hand over.
+# A fixed number in flight adapts to the machine's speed both ways.
+REDEPLOY_IN_FLIGHT, REDEPLOY_TOKENS = 3, 500
+REDEPLOY_POLL_S = 1.0  # between looks at the rollout
 
 
 @pytest.mark.slow
@@ -799,8 +803,9 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
         deadline, fresh = time.monotonic() + 600, []
         slow_polls = 0
         while time.monotonic() < deadline:
-            send_pair()
-            time.sleep(REDEPLOY_PAIR_GAP_S)
+            while sum(not f.done() for f in streams) < REDEPLOY_IN_FLIGHT:
+                send_pair()
+            time.sleep(REDEPLOY_POLL_S)
             try:
                 fresh = [e for e in _engines(base, http)["engines"] if e["fresh"]]
             except httpx.TimeoutException:
@@ -836,6 +841,7 @@ def test_a_redeploy_that_changes_the_args_cuts_no_stream(serve_app):
     view = _engines(base, http)
     http.close()
     causes = view["replicas_lost_by_cause"]
+    print(f"a redeploy: the new ingress counted {causes} replicas lost")
     assert causes.get("shutdown", 0) >= 1 and causes.get("failure", 0) == 0, causes
     # The new version's engines and ingress share a state board of their
     # router settings; the old one is left to remove itself.
