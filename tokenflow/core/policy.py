@@ -414,6 +414,8 @@ class TokenFlowPolicy:
         while True:
             (used, n), room = states[min(m, len(states) - 1)], set()
             for r in resume:
+                if n >= slots:  # full: no later reader fits
+                    break
                 after = take(r, used, n)
                 if after[1] > n:
                     room.add(id(r))
