@@ -390,7 +390,9 @@ class TokenFlowPolicy:
         waiting = Phase.WAITING
 
         def take(r: RequestView, used: int, n: int) -> tuple[int, int]:
-            """pack()'s step: the state after it meets `r`."""
+            """pack()'s step: the state after it meets `r`. pack() keeps
+            the same step inline (it runs over every candidate each
+            decision); a property test holds the two equal."""
             need = r.blocks if r.phase is waiting else r.blocks + grow
             if n >= slots or (used + need > cap and n):
                 return used, n
