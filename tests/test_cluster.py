@@ -378,6 +378,38 @@ def test_readers_faster_than_a_stream_count_at_the_step_rate():
     assert split_burst({"a": uncapped, "b": twin}, 20, S) == {"a": 0, "b": 20}  # the skew it avoids
 
 
+def test_a_crowded_engine_looks_fuller_than_its_twin():
+    """Readers who state more than a stream gets count at the most one
+    stream gets there at any load (the engine's best step rate), not at its
+    step rate now: counted so, every saturated engine's readers sum to its
+    throughput, 35 streams look no fuller than 25, and an uncontended burst
+    of default readers split 35/25 to 42/18 between twin engines
+    (`tokenflow bench-serving`, docs/BENCHMARKS.md)."""
+    from tokenflow.core.meters import EngineMeters
+
+    m = EngineMeters.new()
+    for _ in range(30):
+        m.on_step(0.01, 4, 0)  # a few streams: 100 steps/s
+    for _ in range(60):
+        m.on_step(0.05, 35, 0)  # crowded: 20 steps/s
+    assert m.step_rate.value == pytest.approx(20.0, rel=0.01)
+    assert m.peak_step_rate == pytest.approx(100.0, rel=0.01)
+    S = RoutingSettings(capacity_tps=1000.0)
+
+    def engine(eid: str, streams: int, cap: float) -> EngineState:
+        tr = EngineTracker()
+        for _ in range(streams):
+            tr.open(S.rate, True, 0.0)  # default readers, 40 tokens/s
+        return EngineState(engine_id=eid, stream_tps=cap, **tr.state(rate_cap=cap))
+
+    # At the step rate now (a: 35 streams at 20 tokens/s each, b: 25 at 29)
+    # the crowded engine looks the lighter one, and takes the next burst.
+    now = split_burst({"a": engine("a", 35, 20.0), "b": engine("b", 25, 29.0)}, 10, S)
+    assert now["a"] > now["b"], now
+    # At what a stream gets at best on each, the twin with fewer takes them.
+    assert split_burst({"a": engine("a", 35, 100.0), "b": engine("b", 25, 100.0)}, 10, S) == {"a": 0, "b": 10}
+
+
 def test_slow_readers_in_flight_weigh_what_they_will_once_reported():
     """A burst of readers stating 2 tokens/s: engine a has reported its
     first 20 (each 2/40 of a default reader), twin b's 20 are in flight.

@@ -131,6 +131,7 @@ def test_scheduler_totals_become_counter_increments_and_gauges():
     # As it arrives from the EngineCore utility: a dict, rebuilt typed.
     wire = {"policy": "tokenflow", "running": 3, "waiting": 1, "paused_hold": 2, "paused_release": 0,
             "buffer_s_min": 0.5, "buffer_s_sum": 4.0, "buffer_s": [0.5, 1.5, 2.0], "required_rate": 60.0, "step_rate": 20.0,
+            "peak_step_rate": 30.0,
             "decode_tps": 900.0, "kv_total_blocks": 100, "kv_free_blocks": 40, "host_pool_blocks": 64,
             "stats": asdict(SchedulerStats(pauses_hold=4, pauses_release=1, pauses_skipped=2, resumes=3,
                                            tokens_recomputed=16)),

@@ -130,6 +130,7 @@ class EngineMeters:
     fit: StepCostFit
     max_decode_batch: int = 0  # largest decode batch seen
     peak_decode_tps: float = 0.0  # best smoothed decode_tps seen
+    peak_step_rate: float = 0.0  # best smoothed step_rate seen: the most one request gets here
 
     @classmethod
     def new(cls) -> "EngineMeters":
@@ -143,6 +144,7 @@ class EngineMeters:
         self.fit.add(seconds, decode_tokens, prefill_tokens, starts)
         if decode_tokens:
             self.step_rate.add(1.0 / seconds)
+            self.peak_step_rate = max(self.peak_step_rate, self.step_rate.value)
             self.max_decode_batch = max(self.max_decode_batch, decode_tokens)
             if not prefill_tokens:
                 self.decode_tps.add(decode_tokens / seconds)

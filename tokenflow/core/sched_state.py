@@ -69,6 +69,12 @@ class SchedulerState:
     # most any reader can use (None until measured). The router caps each
     # reader's stated rate at it, as the policy does.
     step_rate: float | None
+    # The best step rate seen: the most one reader can get from this engine
+    # at any load. The router caps each reader's stated rate at it; capped
+    # at the step rate now, a full engine's readers sum to its throughput
+    # however many they are, and a crowded engine looks no fuller than its
+    # twin with fewer streams.
+    peak_step_rate: float | None
     kv_free_blocks: int
     kv_total_blocks: int
     host_pool_blocks: int  # this engine's host KV share in blocks; 0 without a tier

@@ -429,6 +429,7 @@ class TokenFlowMixin:
             + sum(self.readers[i].rate for i in parked if i in self.readers),
             decode_tps=self.meters.decode_capacity,
             step_rate=self.meters.step_rate.value,
+            peak_step_rate=self.meters.peak_step_rate or None,
             kv_free_blocks=kv.get_num_free_blocks(),
             kv_total_blocks=self.kv_cache_config.num_blocks,
             host_pool_blocks=tier.capacity_blocks() if tier is not None else 0,

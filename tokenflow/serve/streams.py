@@ -140,7 +140,7 @@ class EngineTracker:
 
     def state(self, now: float | None = None, rate_cap: float | None = None) -> dict:
         """EngineState fields (without the ids) at `now`. `rate_cap`: the most
-        tokens/s one stream gets from this engine (its step rate); a reader
+        tokens/s one stream gets from this engine (its best step rate); a reader
         that states more counts at that (the router must not see 10 readers
         at 10,000 tokens/s as 2,500 readers at 40)."""
         now = self.clock() if now is None else now

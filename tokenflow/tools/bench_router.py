@@ -53,7 +53,7 @@ def _scheduler_summary() -> dict:
 
     st = SchedulerState(policy="tokenflow", running=12, waiting=3, paused_hold=2, paused_release=1,
                         buffer_s_min=0.8, buffer_s_sum=41.5, buffer_s=[], required_rate=130.0, decode_tps=3200.0,
-                        step_rate=58.0, kv_free_blocks=1200, kv_total_blocks=4096, host_pool_blocks=8192,
+                        step_rate=58.0, peak_step_rate=90.0, kv_free_blocks=1200, kv_total_blocks=4096, host_pool_blocks=8192,
                         stats=SchedulerStats(decisions=4321, pauses_hold=120, resumes=118, decision_seconds=1.25),
                         offload=None)
     return st.router_summary()

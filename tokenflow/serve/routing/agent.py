@@ -107,8 +107,9 @@ class EngineAgent:
         """This engine's state now; `count`: as a push (its seq advances)."""
         self.seq += count
         sched = self._fresh_sched()
-        # the step rate moves slowly: the last one read serves even when not fresh
-        cap = self.sched.step_rate if self.sched is not None else None
+        # What one stream can get here at any load (SchedulerState.peak_step_rate);
+        # it moves slowly: the last one read serves even when not fresh.
+        cap = (self.sched.peak_step_rate or self.sched.step_rate) if self.sched is not None else None
         st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
                          seq=self.seq, sent_at=time.time(), stream_tps=cap, **self.tracker.state(rate_cap=cap))
         if sched is not None:

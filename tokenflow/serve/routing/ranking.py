@@ -126,7 +126,7 @@ class EngineState:
     buffered_capped: float = 0.0  # their buffered tokens, each at most what its reader reads over the horizon
     buffer_s_min: float | None = None
     rate_sum: float = 0.0  # tokens/s the streams' readers need, each at most `stream_tps`
-    stream_tps: float | None = None  # tokens/s one stream gets here (the step rate); None: not measured
+    stream_tps: float | None = None  # most tokens/s one stream gets here (the best step rate); None: not measured
     decode_tps: float = 0.0  # tokens/s delivered lately
     peak_tps: float = 0.0  # best decode_tps seen: a capacity estimate
     received_total: int = 0  # requests ever received (settles "just sent" counts)
