@@ -167,7 +167,7 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
         [sys.executable, "-m", "tokenflow.tools.cli", "bench-app", "--engines", "1", "--port", "8017",
          "--max-tokens", "32", "--load", "0.6", "--calibration-tokens", "48", "--rates", "10:1,40:1",
          "--readers-per-slot", "0", "--slo-ttft", "5", "--app-nice", "5", "--policies", "tokenflow", "fcfs",
-         "--out", str(out)],
+         "--record-routing", "0.2", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -200,6 +200,13 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
         lines = [json.loads(x) for x in (out / f"requests-{name}.jsonl").read_text().splitlines()]
         assert len(lines) == n and all(x["ok"] and x["tokens"] == 32 and x["exact_counts"] for x in lines)
     assert set(summary["ratios_tokenflow_vs_fcfs"]) >= {"ttft_p99", "effective_throughput", "throughput"}
+    # --record-routing: the slack router's table over the run, as its ingress held it.
+    polls = [json.loads(x) for x in (out / "routing-tokenflow.jsonl").read_text().splitlines()]
+    tables = [t for p in polls for t in p["routers"].values() if t["engines"]]
+    assert tables and [p["t"] for p in polls] == sorted(p["t"] for p in polls)
+    last = tables[-1]["engines"]
+    assert len(last) == 1 and last[0]["routed"] >= n  # this run's requests (and the calibration's)
+    assert {"pending", "slack_s", "age_s"} <= set(last[0])
     for png in ("ttft_cdf.png", "throughput.png", "token_timelines.png", "buffer_occupancy.png"):
         assert (out / png).stat().st_size > 1000
     with socket.socket() as sock:  # the last app is gone

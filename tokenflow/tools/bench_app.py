@@ -37,6 +37,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -264,6 +265,56 @@ def engine_rows(url: str, pushed_after: float | None = None, timeout: float = 5.
         time.sleep(0.05)
 
 
+# What a routing record keeps of each engine row of a request router's table.
+ROUTING_FIELDS = ("engine_id", "age_s", "slack_s", "pending", "routed", "running", "waiting", "rate_sum",
+                  "buffered_capped", "stream_tps", "peak_tps", "received_total")
+
+
+class RoutingRecorder:
+    """`--record-routing S`: while a run drives the apps, GET each one's
+    /v1/tokenflow/engines every S seconds and append what its ingress's
+    request routers hold (per engine: pending sends, requests routed, slack,
+    state age) to routing-<app>.jsonl, so that an uneven split of a burst
+    carries its own record. Off by default: each poll costs the app a state
+    board read and the node pools' stats."""
+
+    def __init__(self, urls: dict[str, str], out: Path, interval: float | None):
+        self.urls, self.out, self.interval = urls, out, interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "RoutingRecorder":
+        if self.interval:
+            self._thread = threading.Thread(target=self._run, name="routing-recorder", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        files = {name: open(self.out / f"routing-{name}.jsonl", "w") for name in self.urls}
+        try:
+            while True:
+                for name, url in self.urls.items():
+                    try:
+                        view = engines_view(url)
+                    except (OSError, ValueError):
+                        continue  # a busy moment: the next poll will do
+                    routers = {key: {"engines": [{k: e.get(k) for k in ROUTING_FIELDS} for e in r.get("engines", [])],
+                                     "fallbacks": r.get("fallbacks")}
+                               for key, r in (view.get("routers") or {}).items()}
+                    files[name].write(json.dumps({"t": round(time.monotonic() - t0, 3), "routers": routers}) + "\n")
+                if self._stop.wait(self.interval):
+                    return
+        finally:
+            for f in files.values():
+                f.close()
+
+
 def received_by_engine(url: str, pushed_after: float | None = None) -> dict[str, int]:
     """Requests each engine has received since it started (as of a push
     after `pushed_after`, if given); {} if unknown."""
@@ -412,13 +463,15 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
                   engines: int | None = None, tokenflow: dict | None = None, slo_ttft: float = 2.0,
                   slo_stall: float = 1.0, timeout: float = 600.0, ready_timeout: float = 600.0,
                   calibration_tokens: int = 256, plots: bool = True, app_nice: int = 0,
-                  metrics_port: int | None = None, together: bool = False) -> dict:
+                  metrics_port: int | None = None, together: bool = False,
+                  record_routing: float | None = None) -> dict:
     out, config_path, port = bench_paths(out_dir, config, port)
     metrics = ClientMetrics(metrics_port) if metrics_port is not None else None
     order = run_order(policies, wl.seed)
     run = run_together if together else run_in_turn
     records, counters, served, calibration, wl = run(out, config_path, wl, order, port, engines, tokenflow or {},
-                                                     timeout, ready_timeout, calibration_tokens, app_nice, metrics)
+                                                     timeout, ready_timeout, calibration_tokens, app_nice, metrics,
+                                                     record_routing)
     results = {}
     for policy in order:
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
@@ -457,7 +510,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
 
 def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str], port: int, engines: int | None,
                 tokenflow: dict, timeout: float, ready_timeout: float, calibration_tokens: int, app_nice: int,
-                metrics) -> tuple:
+                metrics, record_routing: float | None = None) -> tuple:
     """Each policy's app on its own, one after another, every engine each."""
     records, counters, served, calibration = {}, {}, {}, None
     for policy in order:
@@ -475,7 +528,8 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
             # The readiness probe and the calibration are not this run's.
             received0 = received_by_engine(app.first_url, pushed_after=time.time())
             t0 = time.monotonic()
-            records[policy] = drive(app, wl, policy, timeout, metrics)
+            with RoutingRecorder({policy: app.first_url}, out, record_routing):
+                records[policy] = drive(app, wl, policy, timeout, metrics)
             served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, **priority_of(app)}
             counters[policy] = engine_counters(app.first_url, received0, pushed_after=time.time())
     return records, counters, served, calibration, wl
@@ -483,7 +537,7 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
 
 def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str], port: int, engines: int | None,
                  tokenflow: dict, timeout: float, ready_timeout: float, calibration_tokens: int, app_nice: int,
-                 metrics) -> tuple:
+                 metrics, record_routing: float | None = None) -> tuple:
     """Every policy's app at once in one `serve run`, each with its share of
     the engines; each sent the same requests at the same moments, so that
     the machine's drift over the run meets every policy alike."""
@@ -504,7 +558,8 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
             print_calibration(calibration, wl)
         now = time.time()
         t0, received0 = time.monotonic(), {p: received_by_engine(url, pushed_after=now) for p, url in urls.items()}
-        records = drive_apps(urls, app.model, wl, timeout, metrics)
+        with RoutingRecorder(urls, out, record_routing):
+            records = drive_apps(urls, app.model, wl, timeout, metrics)
         run_s = time.monotonic() - t0
         served = {p: {"config": path.name, "run_s": run_s, **priority_of(app)} for p in order}
         now = time.time()
@@ -562,6 +617,9 @@ def add_arguments(parser) -> None:
     add_metrics_arguments(parser, run_label=False)  # the run label is the policy
     parser.add_argument("--out", default="out/bench-app")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--record-routing", type=_positive_float, metavar="SECONDS",
+                        help="poll each app's request routers this often while it runs and write what they hold "
+                             "to routing-<policy>.jsonl (off by default: the polls cost the app a little)")
     # A bench's answers are long and may queue behind a whole burst.
     parser.set_defaults(model=None, max_tokens=512, request_timeout=600.0)
 
@@ -593,7 +651,8 @@ def run(args) -> int:
                                 tokenflow=tokenflow, slo_ttft=args.slo_ttft, slo_stall=args.slo_stall,
                                 timeout=args.request_timeout, ready_timeout=args.ready_timeout,
                                 calibration_tokens=args.calibration_tokens, plots=not args.no_plots,
-                                app_nice=args.app_nice, metrics_port=args.metrics_port, together=args.together)
+                                app_nice=args.app_nice, metrics_port=args.metrics_port, together=args.together,
+                                record_routing=args.record_routing)
     except RuntimeError as e:
         print(f"tokenflow bench-app: error: {e}", file=sys.stderr)
         return 1
