@@ -207,6 +207,10 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
     last = tables[-1]["engines"]
     assert len(last) == 1 and last[0]["routed"] >= n  # this run's requests (and the calibration's)
     assert {"pending", "slack_s", "age_s"} <= set(last[0])
+    # ... and each of its choices once, with the engine's slack left then
+    choices = [c for t in tables for c in t["choices"]]
+    assert len(choices) >= n and [c["t"] for c in choices] == sorted(c["t"] for c in choices)
+    assert all(c["ranked"][0][0] == last[0]["engine_id"] for c in choices)
     for png in ("ttft_cdf.png", "throughput.png", "token_timelines.png", "buffer_occupancy.png"):
         assert (out / png).stat().st_size > 1000
     with socket.socket() as sock:  # the last app is gone

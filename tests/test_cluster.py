@@ -201,6 +201,59 @@ def test_view_and_latency_summary():
     json.dumps(v)
 
 
+def test_the_table_keeps_its_last_choices_with_each_engine_s_slack_then():
+    """view()["choices"]: how a burst came to be split, choice by choice:
+    the best engines at each, the slack each had left after the sends
+    before it, and its load."""
+    t = RoutingTable(S, clock=lambda: 10.0)
+    t.update({"a": (EngineState(engine_id="a").to_dict(), 0.0), "b": (EngineState(engine_id="b").to_dict(), 0.0)})
+    for _ in range(3):
+        t.on_sent(t.rank(["a", "b"])[0])
+    choices = t.view()["choices"]
+    assert [[e for e, _, _ in c["ranked"]] for c in choices] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    first, second = choices[0]["ranked"], choices[1]["ranked"]
+    # a's send counts against it at the next choice: one default reader over H.
+    assert dict((e, sl) for e, sl, _ in second)["a"] == pytest.approx(first[0][1] - S.horizon_s)
+    assert dict((e, n) for e, _, n in second) == {"a": 1, "b": 0}
+    json.dumps(t.view())
+
+
+def test_a_burst_counts_each_send_from_its_choice():
+    """Serve sends a request only once its caller resumes
+    (on_send_request), after the other choices of a burst: counted only
+    then, every choice saw the same table and a whole burst went to one
+    engine (docs/BENCHMARKS.md). Counted from the choice, ten choices made
+    before any send split 5/5; a retry counts once; a request Serve sends
+    elsewhere than its choice (the first was full) moves its count there."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from tokenflow.serve.routing.request_router import TokenFlowRequestRouter
+
+    router = TokenFlowRequestRouter.__new__(TokenFlowRequestRouter)  # Serve builds it; these are what it uses
+    router._use_replica_queue_len_cache = False
+    t = RoutingTable(S, clock=lambda: 10.0)
+    t.update({"a": (EngineState(engine_id="a").to_dict(), 0.0), "b": (EngineState(engine_id="b").to_dict(), 0.0)})
+    router._tf_table, router._tf_expected, router._tf_counted = t, {}, OrderedDict()
+
+    def request(i: int):
+        return SimpleNamespace(metadata=SimpleNamespace(request_id=f"r{i}"), args=[])
+
+    chosen = []
+    for i in range(10):
+        chosen.append(t.rank(["a", "b"])[0])
+        router._count_choice(t, request(i), chosen[-1])
+    assert chosen.count("a") == 5 and t.pending() == {"a": 5, "b": 5}
+    router._count_choice(t, request(0), t.rank(["a", "b"])[0])  # r0 retried
+    assert t.pending() == {"a": 5, "b": 5}
+    for e in chosen:
+        router.on_send_request(SimpleNamespace(unique_id=e))
+    assert t.pending() == {"a": 5, "b": 5}  # each counted once
+    router._count_choice(t, request(10), "a")
+    router.on_send_request(SimpleNamespace(unique_id="b"))  # a was full: sent to b
+    assert t.pending() == {"a": 5, "b": 6}
+
+
 def test_router_actor_long_poll_answers_on_push_and_counts_transit():
     from tokenflow.serve.routing.board import StateBoard
 

@@ -274,8 +274,9 @@ class RoutingRecorder:
     """`--record-routing S`: while a run drives the apps, GET each one's
     /v1/tokenflow/engines every S seconds and append what its ingress's
     request routers hold (per engine: pending sends, requests routed, slack,
-    state age) to routing-<app>.jsonl, so that an uneven split of a burst
-    carries its own record. Off by default: each poll costs the app a state
+    state age; and the choices made since the last poll, each with the
+    best engines' slack and load then) to routing-<app>.jsonl, so that an
+    uneven split of a burst carries its own record. Off by default: each poll costs the app a state
     board read and the node pools' stats."""
 
     def __init__(self, urls: dict[str, str], out: Path, interval: float | None):
@@ -297,6 +298,7 @@ class RoutingRecorder:
     def _run(self) -> None:
         t0 = time.monotonic()
         files = {name: open(self.out / f"routing-{name}.jsonl", "w") for name in self.urls}
+        last: dict[tuple, float] = {}  # (app, router) -> time of the last choice written
         try:
             while True:
                 for name, url in self.urls.items():
@@ -304,9 +306,14 @@ class RoutingRecorder:
                         view = engines_view(url)
                     except (OSError, ValueError):
                         continue  # a busy moment: the next poll will do
-                    routers = {key: {"engines": [{k: e.get(k) for k in ROUTING_FIELDS} for e in r.get("engines", [])],
-                                     "fallbacks": r.get("fallbacks")}
-                               for key, r in (view.get("routers") or {}).items()}
+                    routers = {}
+                    for key, r in (view.get("routers") or {}).items():
+                        seen = last.get((name, key), float("-inf"))
+                        new = [c for c in r.get("choices") or () if c["t"] > seen]
+                        if new:
+                            last[(name, key)] = new[-1]["t"]
+                        routers[key] = {"engines": [{k: e.get(k) for k in ROUTING_FIELDS} for e in r.get("engines", [])],
+                                        "fallbacks": r.get("fallbacks"), "choices": new}
                     files[name].write(json.dumps({"t": round(time.monotonic() - t0, 3), "routers": routers}) + "\n")
                 if self._stop.wait(self.interval):
                     return

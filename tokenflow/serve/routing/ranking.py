@@ -253,6 +253,11 @@ class LatencyStats:
                 "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": round(1000 * xs[-1], 4)}
 
 
+# A table keeps its last CHOICES_KEPT choices, each with its best
+# CHOICE_RANKS engines (view()'s "choices").
+CHOICES_KEPT, CHOICE_RANKS = 256, 4
+
+
 class RoutingTable:
     """One ingress's cached copy of every engine's state, plus what it just sent.
 
@@ -278,6 +283,9 @@ class RoutingTable:
         self.state_age = LatencyStats()  # age of the chosen engine's state at decision
         self.fallbacks = 0  # decisions left to Serve's default (no fresh state)
         self.decisions: dict[str, int] = {}
+        # The last choices, each as (when, the best engines then with the
+        # slack each had left and its load): how a burst came to be split.
+        self.choices: deque = deque(maxlen=CHOICES_KEPT)
         self.has_read = False  # whether any snapshot of the board has arrived
 
     def update(self, snapshot: dict[str, tuple[dict, float]], part: int = 0, now: float | None = None) -> None:
@@ -344,6 +352,17 @@ class RoutingTable:
             self._pending.setdefault(engine_id, deque()).append(entry)
             self._pending_rate[engine_id] = self._pending_rate.get(engine_id, 0.0) + rate
 
+    def withdraw(self, engine_id: str) -> float | None:
+        """Take back the latest send to `engine_id` (the request went
+        elsewhere); its rate, or None when none is pending there."""
+        with self._lock:
+            q = self._pending.get(engine_id)
+            if not q:
+                return None
+            _, rate = q.pop()
+            self._pending_rate[engine_id] = self._pending_rate[engine_id] - rate if q else 0.0
+            return rate
+
     def pending_sent(self, now: float | None = None, engines=None) -> dict[str, tuple[int, float]]:
         """Per engine (or each of `engines`): how many requests sent to it no
         push has reflected yet, less those older than pending_ttl_s, and
@@ -397,7 +416,12 @@ class RoutingTable:
             return None
         terms = self._terms
         usable = {e: terms[e] for e, age in ages.items() if age <= 2 * limit and e in terms}
-        return order_engines(usable, self.pending_sent(now, usable))
+        sent = self.pending_sent(now, usable)
+        order = order_engines(usable, sent)
+        none = (0, 0.0)
+        self.choices.append((round(now, 4), [(e, round(terms[e][0] - terms[e][1] * sent.get(e, none)[1], 1),
+                                              terms[e][3] + sent.get(e, none)[0]) for e in order[:CHOICE_RANKS]]))
+        return order
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
         self.latency.add(seconds)
@@ -422,5 +446,6 @@ class RoutingTable:
                             "pending": pending.get(eid, 0),
                             "routed": self.decisions.get(eid, 0)})
         return {"engines": engines, "fallbacks": self.fallbacks,
+                "choices": [{"t": t, "ranked": [list(r) for r in ranked]} for t, ranked in list(self.choices)],
                 "routing_latency": self.latency.summary(),
                 "state_age_at_decision": self.state_age.summary()}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict
 from typing import List, Optional
 
 from tokenflow.core.config import PIN_KEY, stated_rate
@@ -35,12 +35,11 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         self._tf_settings = ranking.RoutingSettings.from_dict(kwargs)
         self._tf_table = ranking.RoutingTable(self._tf_settings)
         self._tf_candidates = ranking.CandidateIndex()
-        # The stated rates of the requests just routed, per engine chosen,
-        # for on_send_request (which is told only the replica). Serve may
-        # send a request elsewhere when its first choice is full, or send
-        # another request than the one it asked about: the rate then
-        # belongs to a neighbour of the same burst, and counts the same.
-        self._tf_rates: dict[str, deque] = {}
+        # A send counts as load from its choice (_count_choice); per engine,
+        # how many counted choices its on_send_request has yet to meet, and
+        # the requests counted (a retry chooses again, and counts once).
+        self._tf_expected: dict[str, int] = {}
+        self._tf_counted: OrderedDict[str, str] = OrderedDict()
         self._tf_refresher: Optional[asyncio.Task] = None
         key = f"{self._deployment_id.app_name}/{self._deployment_id.name}#{id(self):x}"
         board.LOCAL_ROUTERS[key] = self._tf_table
@@ -81,9 +80,7 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         # One rank per engine, best first: Serve tries the next one only if
         # the previous one refuses (its queue is full).
         self._tf_record(table, start, order[0])
-        rate = stated_rate(pending_request.args[0], table.settings.rate) \
-            if pending_request is not None and pending_request.args else None
-        self._tf_rates.setdefault(order[0], deque(maxlen=1024)).append(rate)
+        self._count_choice(table, pending_request, order[0])
         # Serve picks among a rank by queue length, from its cache or else by
         # probing the replica with a 0.1-1 s deadline, which a busy replica
         # misses (the request then waits in the router and retries): give
@@ -92,6 +89,25 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
         for e in order:
             cache.update(by_id[e].replica_id, table.queue_len(e))
         return [[by_id[e]] for e in order]
+
+    def _count_choice(self, table: ranking.RoutingTable, pending_request, eid: str) -> None:
+        """Count the request as sent to `eid` now. Serve sends it only once
+        the caller's coroutine resumes (on_send_request), and in a burst the
+        other requests' choices come first: counted only then, they all saw
+        the same table and went to the same engine (docs/BENCHMARKS.md).
+        Serve sends to the first choice unless it is full (one engine per
+        rank); on_send_request corrects the count when it went elsewhere."""
+        rid = getattr(getattr(pending_request, "metadata", None), "request_id", None)
+        if rid is not None:
+            if rid in self._tf_counted:  # a retry: counted at its first choice
+                return
+            self._tf_counted[rid] = eid
+            if len(self._tf_counted) > COUNTED_KEPT:
+                self._tf_counted.popitem(last=False)
+        rate = stated_rate(pending_request.args[0], table.settings.rate) \
+            if pending_request is not None and pending_request.args else None
+        table.on_sent(eid, rate=rate)
+        self._tf_expected[eid] = self._tf_expected.get(eid, 0) + 1
 
     def _tf_record(self, table: ranking.RoutingTable, start: float, chosen: Optional[str]) -> None:
         seconds = time.perf_counter() - start
@@ -108,9 +124,24 @@ class TokenFlowRequestRouter(PowerOfTwoChoicesRequestRouter):
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
         table = getattr(self, "_tf_table", None)
-        if table is not None:
-            rates = self._tf_rates.get(replica_id.unique_id)
-            table.on_sent(replica_id.unique_id, rate=rates.popleft() if rates else None)
+        if table is None:
+            return
+        eid = replica_id.unique_id
+        if self._tf_expected.get(eid):
+            self._tf_expected[eid] -= 1  # counted at its choice
+            return
+        # Sent where no choice counted it (its first choice was full): move a
+        # count made elsewhere here, at the rate it counted at.
+        other = next((e for e, n in self._tf_expected.items() if n), None)
+        rate = None
+        if other is not None:
+            self._tf_expected[other] -= 1
+            rate = table.withdraw(other)
+        table.on_sent(eid, rate=rate)
+
+
+# Requests whose choice was counted, remembered so that a retry counts once.
+COUNTED_KEPT = 4096
 
 
 def pinned(pending_request) -> Optional[str]:
