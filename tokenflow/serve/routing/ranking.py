@@ -178,18 +178,27 @@ def engine_terms(state: EngineState, s: RoutingSettings, best_tps: float) -> tup
     return slack(state, s, best_tps), s.horizon_s / s.rate, cap, state.load
 
 
+NOTHING_SENT = (0, 0.0)
+
+
+def left_after(term: tuple[float, float, float, int], sent: tuple[int, float]) -> tuple[float, int]:
+    """(slack left, load) of an engine (its engine_terms) after the requests
+    sent to it (`sent`: how many, and their rates summed, each at most the
+    engine's cap)."""
+    base, per_rate, _, load = term
+    count, rates = sent
+    return base - per_rate * rates, load + count
+
+
 def order_engines(terms: dict[str, tuple[float, float, float, int]],
                   pending: dict[str, tuple[int, float]]) -> list[str]:
     """Engine ids, best first: most slack left after the requests sent to
-    each (`pending`: how many, and their rates summed, each at most the
-    engine's cap); ties: least loaded, then by id so the order is
-    deterministic."""
-    none = (0, 0.0)
+    each (`pending`, per engine as left_after takes it); ties: least
+    loaded, then by id so the order is deterministic."""
 
     def key(eid: str):
-        base, per_rate, _, load = terms[eid]
-        count, rates = pending.get(eid, none)
-        return (-(base - per_rate * rates), load + count, eid)
+        slack_left, load = left_after(terms[eid], pending.get(eid, NOTHING_SENT))
+        return (-slack_left, load, eid)
 
     return sorted(terms, key=key)
 
@@ -332,12 +341,13 @@ class RoutingTable:
             self._pending.pop(engine_id, None)
             self._pending_rate.pop(engine_id, None)
 
-    def _pop_sent(self, eid: str) -> None:
-        """Forget the oldest send to `eid` (under the lock)."""
+    def _pop_sent(self, eid: str, latest: bool = False) -> float:
+        """Forget the oldest send to `eid` (or the latest); its rate (under the lock)."""
         q = self._pending[eid]
-        _, rate = q.popleft()
+        _, rate = q.pop() if latest else q.popleft()
         # Exactly zero once none is left: no rounding drift over a long life.
         self._pending_rate[eid] = self._pending_rate[eid] - rate if q else 0.0
+        return rate
 
     def on_sent(self, engine_id: str, now: float | None = None, rate: float | None = None) -> None:
         """A request went to `engine_id`; `rate`: the reader's rate its body
@@ -356,12 +366,7 @@ class RoutingTable:
         """Take back the latest send to `engine_id` (the request went
         elsewhere); its rate, or None when none is pending there."""
         with self._lock:
-            q = self._pending.get(engine_id)
-            if not q:
-                return None
-            _, rate = q.pop()
-            self._pending_rate[engine_id] = self._pending_rate[engine_id] - rate if q else 0.0
-            return rate
+            return self._pop_sent(engine_id, latest=True) if self._pending.get(engine_id) else None
 
     def pending_sent(self, now: float | None = None, engines=None) -> dict[str, tuple[int, float]]:
         """Per engine (or each of `engines`): how many requests sent to it no
@@ -418,9 +423,8 @@ class RoutingTable:
         usable = {e: terms[e] for e, age in ages.items() if age <= 2 * limit and e in terms}
         sent = self.pending_sent(now, usable)
         order = order_engines(usable, sent)
-        none = (0, 0.0)
-        self.choices.append((round(now, 4), [(e, round(terms[e][0] - terms[e][1] * sent.get(e, none)[1], 1),
-                                              terms[e][3] + sent.get(e, none)[0]) for e in order[:CHOICE_RANKS]]))
+        best = [(e, *left_after(terms[e], sent.get(e, NOTHING_SENT))) for e in order[:CHOICE_RANKS]]
+        self.choices.append((round(now, 4), [(e, round(slack_left, 1), load) for e, slack_left, load in best]))
         return order
 
     def record(self, seconds: float, chosen: str | None, now: float | None = None) -> None:
