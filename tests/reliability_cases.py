@@ -603,7 +603,7 @@ therefore checks itself every `router.rebalance_interval_s` (1 s):
 Tests: tests/test_rebalance.py: the policy on engine states (downhill
 levelling over one or more peers, the best stocked readers first, none
 under the buffer floor, peers' free slots and spare rate as the bounds,
-peers with a queue skipped, a reader faster than the engine's step rate
+peers with a queue skipped, a reader faster than the engine's best step rate
 counted at that rate); on a real asyncio stream, a paused movable stream interrupted while
 it waits, its engine request closed, the task that drove it not left
 cancelled, a stream that may not move left alone; the ingress continuing
