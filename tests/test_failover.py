@@ -254,25 +254,34 @@ def _burst_client(base: str):
     return http
 
 
-def _choose_victim(base: str, http, live: list[dict], wholes: list) -> dict:
-    """The engine holding the most of both kinds, chosen while no stream has
-    ended: streams that have tokens (they are cut; one without is re-sent)
-    and whole requests (which get nothing until they are done). A state up
-    to 2 s old counts: on 2 busy cores pushes come late (a poll took 1.9 s
-    in one suite run) while the engine is alive; a dead engine's row only
-    ages. (No gate on how far the streams are: the first one starts alone
-    and was past 1,000 tokens of 2,000 at the first poll in one run.)"""
+def _choose_victim(base: str, http, live: list[dict], wholes: list, pins, pairs: int, opt_out=()) -> dict:
+    """The engine holding the most of both kinds: streams that have tokens
+    and have not ended (they are cut; one without is re-sent) and whole
+    requests (which get nothing until they are done). Each engine is judged
+    by the pairs pinned to it: a gate on every stream of the burst (none
+    ended) found no victim in one CI run, whose first stream ended within
+    its first poll (2.75 s) while the other engine still held both kinds.
+    A state up to 2 s old counts: on 2 busy cores pushes come late (a poll
+    took 1.9 s in one suite run) while the engine is alive; a dead engine's
+    row only ages. With `opt_out`, the engine must hold a stream of each
+    kind (continued, opted out), so that both checks see one."""
     import time
+
+    def going(eid: str) -> set:  # its pairs whose streams have tokens and go on
+        return {i for i in _pairs_on(pins, pairs, {eid}) if live[i]["chunks"] and not live[i]["done"]}
+
+    def cuttable(eid: str) -> int:
+        cut = going(eid)
+        return len(cut) if not opt_out or (cut & set(opt_out) and cut - set(opt_out)) else 0
 
     deadline, seen, polls, slowest = time.monotonic() + 120, [], 0, 0.0
     while time.monotonic() < deadline and not all(f.done() for f in wholes):
         t0 = time.monotonic()
         seen = _engines(base, http)["engines"]
         polls, slowest = polls + 1, max(slowest, time.monotonic() - t0)
-        ongoing = not any(rec["done"] for rec in live)
-        busy = [e for e in seen if ongoing and e["age_s"] <= 2.0 and e["running"] > 0 and e["unary"] > 0]
+        busy = [e for e in seen if e["age_s"] <= 2.0 and e["unary"] > 0 and cuttable(e["engine_id"])]
         if busy:
-            return max(busy, key=lambda e: e["running"] + e["unary"])
+            return max(busy, key=lambda e: cuttable(e["engine_id"]) + e["unary"])
         time.sleep(0.05)
     raise AssertionError(f"no engine held streams and whole requests at once "
                          f"({polls} polls, slowest {slowest:.2f} s): {seen}")
@@ -515,7 +524,7 @@ def test_replica_killed_during_a_burst(serve_app):
     lost_before = _engines(base, http)["replicas_lost"]
     pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, opt_out, pins)
 
-    victim = _choose_victim(base, http, live, wholes)
+    victim = _choose_victim(base, http, live, wholes, pins, pairs, opt_out)
     assert victim["pid"] > 0
     (pool_before,) = _engines(base, http)["kv_pools"].values()
     slot_of = {h["engine_id"]: i for i, h in enumerate(pool_before["shared_memory"]["slots"]) if h}
@@ -593,7 +602,7 @@ def test_engine_core_killed_with_its_replica_alive(serve_app):
     lost_before = _engines(base, http)["replicas_lost"]
     pool, streams, wholes, live = _burst(base, model, pairs, chat_pairs, max_tokens, http, pins=pins)
 
-    victim = _choose_victim(base, http, live, wholes)
+    victim = _choose_victim(base, http, live, wholes, pins, pairs)
     core = _engine_core_of(victim["pid"])
     assert core is not None, "no EngineCore process under the replica"
     core.send_signal(signal.SIGKILL)
