@@ -121,6 +121,33 @@ def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     assert first.admit == ["new"] and len(first.run) == 3 and "dry" not in first.run
 
 
+def test_at_capacity_a_reader_holding_more_than_is_worth_sending_gives_way():
+    """At capacity the guard keeps every running reader decoding against
+    readers at their resume level; not one whose next tokens are of no use
+    now (its buffer holds more than the part of the answer worth sending
+    ahead, U's `useful` is 0): a reader about to run dry takes its place,
+    and it pauses holding its KV."""
+    policy = TokenFlowPolicy(TokenFlowConfig(dt=0.1))
+    # 4 slots at 100 tokens/s: 400 tokens/s fit; 500 tokens/s the best seen.
+    eng = EngineView(16, 1000, 960, 4, decode_tps=500.0, step_rate=100.0, prefill_tps=1000.0,
+                     step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=1000, running=4)
+    running = [RequestView(f"run{i}", Phase.RUNNING, 0.0, 10.0, 30.0, 40, 1000, 100, 7, True) for i in range(4)]
+    dry = RequestView("dry", Phase.PAUSED, 0.0, 10.0, 0.0, 40, 1000, 100, 7, False, host_blocks=6)
+    # Readers parked with lots of buffer who need 400 tokens/s between them: past what fits.
+    parked = [RequestView(f"far{i}", Phase.PAUSED, 0.0, 100.0, 9000.0, 900, 1000, 960, 61, False) for i in range(4)]
+    at = policy.decide(running + [dry] + parked, eng)
+    assert not at.fallback_fcfs and at.swap_share == 0.0
+    assert sorted(at.run) == [f"run{i}" for i in range(4)]  # 30 tokens of the 200 worth sending: guarded
+    # One of them holds 210 tokens: past the 200 (a fifth of its answer) and what it reads in an interval.
+    full = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 210.0, 40, 1000, 100, 7, True)
+    d = policy.decide(running[:3] + [full, dry] + parked, eng)
+    assert d.swap_share == 0.0 and sorted(d.run) == ["dry", "run0", "run1", "run2"] and d.pause_hold == ["run3"], d
+    assert policy.rank_key(full, eng, 0.0)[0] == BY_PRIORITY
+    # Just under it (200 and the 1 token read in an interval), the guard holds.
+    under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 200.5, 40, 1000, 100, 7, True)
+    assert policy.rank_key(under, eng, 0.0)[0] == GUARDED
+
+
 def test_readers_about_to_stall_buy_guarded_places_within_the_swap_budget():
     """Five readers at their resume level, four guarded readers in the four
     slots. With spare capacity the stalling readers take guarded places
@@ -256,7 +283,8 @@ def reference_key(cfg, r, eng, share=0.5):
         resume_level = rate * cfg.mu * (n * load + step + cfg.dt)
         if b < resume_level + rate * (cfg.dt + n * swap + step):
             return KEEP_RUNNING, b / rate
-        if share == 0 or b < resume_level + bonus / share:
+        worth_sending = b < EFFECTIVE_HIGH_FRACTION * r.max_tokens + rate * cfg.dt  # U's `useful` > 0
+        if worth_sending and (share == 0 or b < resume_level + bonus / share):
             tier = GUARDED
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step

@@ -479,8 +479,14 @@ class TokenFlowPolicy:
                 # Guarded from paused readers until it has decoded enough
                 # since its resume that this swap's cost stays within the
                 # share of the engine swaps may take (the reader decodes
-                # about `bonus / share` tokens between resume and pause).
-                guarded = b < resume_level + bonus / share if share > 0.0 else True
+                # about `bonus / share` tokens between resume and pause),
+                # but never once its next tokens are of no use now (U's
+                # `useful` is 0: its reader holds more than the part of the
+                # answer worth sending ahead). Near capacity (share 0) the
+                # guard would otherwise keep such a reader decoding while
+                # readers at their resume level run dry.
+                guarded = (b < resume_level + bonus / share if share > 0.0 else True) and \
+                    b < high * r.max_tokens + rate * dt
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
