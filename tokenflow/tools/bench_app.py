@@ -419,6 +419,35 @@ def _ms_stats(xs: list[float], name: str) -> dict:
             f"p99_{name}_ms": percentile(xs, 0.99) * 1e3}
 
 
+def effective_lost(records: list[dict]) -> dict:
+    """Where effective throughput went: the weight tokens lost by arriving
+    past their reader's cap (tokenflow.core.buffer.token_weight), in all,
+    by reading rate, and by quarter of the run (first send to last token):
+    a policy that lets running readers build buffers while others wait
+    loses it mid-run; the run's tail, where fewer readers are left than
+    the engines can feed, loses it under any policy."""
+    from tokenflow.core.buffer import ReaderBuffer
+
+    ok = [r for r in records if r.get("arrivals_s")]
+    if not ok:
+        return {"tokens": 0.0, "share": 0.0, "by_rate": {}, "by_quarter": [0.0] * 4}
+    start, end = min(r["sent_s"] for r in ok), max(r["arrivals_s"][-1] for r in ok)
+    span = (end - start) or 1.0
+    by_rate: dict[str, float] = {}
+    quarters = [0.0] * 4
+    for r in ok:
+        reader = ReaderBuffer(rate=r["rate"], arrival_time=r["sent_s"])
+        for t in r["arrivals_s"]:
+            reader.on_tokens(t)
+        rate = f"{r['rate']:.4g}"
+        for t, w in zip(r["arrivals_s"], reader.weights()):
+            by_rate[rate] = by_rate.get(rate, 0.0) + 1.0 - w
+            quarters[min(3, int(4 * (t - start) / span))] += 1.0 - w
+    lost = sum(quarters)
+    return {"tokens": lost, "share": lost / sum(len(r["arrivals_s"]) for r in ok),
+            "by_rate": dict(sorted(by_rate.items(), key=lambda kv: float(kv[0]))), "by_quarter": quarters}
+
+
 def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: float) -> dict:
     """`tokenflow bench`'s fields, SLO goodput, and vLLM bench's fields."""
     full = [r for r in records if r["ok"] and r["tokens"] == max_tokens]
@@ -445,6 +474,7 @@ def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: 
     res.update(_ms_stats([(r["total_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in full if r["tokens"] > 1], "tpot"))
     res.update(_ms_stats([x for r in full for x in r["tbt_s"]], "itl"))
     res.update(_ms_stats([r["total_s"] for r in full], "e2el"))
+    res["effective_lost"] = effective_lost(records)
     return res
 
 
