@@ -77,6 +77,14 @@ class ReaderBuffer:
         r._position = r.delivered - max(0.0, unread)
         return r
 
+    @classmethod
+    def replay(cls, rate: float, arrival_time: float, arrivals: list[float]) -> "ReaderBuffer":
+        """A reader fed one token at each of `arrivals` (a recorded run's token times)."""
+        r = cls(rate=rate, arrival_time=arrival_time)
+        for t in arrivals:
+            r.on_tokens(t)
+        return r
+
     def _advance(self, t: float) -> None:
         if self.first_token_time is None or t <= self._clock:
             return

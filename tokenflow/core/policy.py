@@ -480,13 +480,8 @@ class TokenFlowPolicy:
                 # since its resume that this swap's cost stays within the
                 # share of the engine swaps may take (the reader decodes
                 # about `bonus / share` tokens between resume and pause),
-                # but never once its next tokens are of no use now (U's
-                # `useful` is 0: its reader holds more than the part of the
-                # answer worth sending ahead). Near capacity (share 0) the
-                # guard would otherwise keep such a reader decoding while
-                # readers at their resume level run dry.
-                guarded = (b < resume_level + bonus / share if share > 0.0 else True) and \
-                    b < high * r.max_tokens + rate * dt
+                # but never once its next tokens are of no use now (below).
+                guarded = b < resume_level + bonus / share if share > 0.0 else True
             elif phase is paused or r.reading:  # a waiting reader is a released pause
                 back = step if r.kv_resident else n * load + step
                 if b < rate * mu * (back + dt):  # the resume level
@@ -497,8 +492,14 @@ class TokenFlowPolicy:
                 bonus, guarded = 0.0, False
             # useful = min(speed_dt, max(0.0, x)), with the builtins' tie rules.
             useful = high * r.max_tokens - b + rate * dt
-            useful = useful if useful > 0.0 else 0.0
-            useful = useful if useful < speed_dt else speed_dt
+            if useful > 0.0:
+                useful = useful if useful < speed_dt else speed_dt
+            else:
+                # Its reader holds more than the part of the answer worth
+                # sending ahead: no guard. At capacity (share 0) the guard
+                # would keep it decoding while readers at their resume
+                # level run dry.
+                useful, guarded = 0.0, False
             value = -(useful + gamma * exp(-b / rate) + bonus)
             if guarded:
                 guard.append((value, r))

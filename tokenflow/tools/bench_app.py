@@ -436,9 +436,7 @@ def effective_lost(records: list[dict]) -> dict:
     by_rate: dict[str, float] = {}
     quarters = [0.0] * 4
     for r in ok:
-        reader = ReaderBuffer(rate=r["rate"], arrival_time=r["sent_s"])
-        for t in r["arrivals_s"]:
-            reader.on_tokens(t)
+        reader = ReaderBuffer.replay(r["rate"], r["sent_s"], r["arrivals_s"])
         rate = f"{r['rate']:.4g}"
         for t, w in zip(r["arrivals_s"], reader.weights()):
             by_rate[rate] = by_rate.get(rate, 0.0) + 1.0 - w

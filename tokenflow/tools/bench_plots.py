@@ -15,9 +15,7 @@ from tokenflow.core.buffer import ReaderBuffer, buffer_at, token_weight  # noqa:
 
 
 def _reader(rec: dict) -> ReaderBuffer:
-    r = ReaderBuffer(rate=rec["rate"], arrival_time=rec["arrival_s"])
-    for t in rec["arrivals_s"]:
-        r.on_tokens(t)
+    r = ReaderBuffer.replay(rec["rate"], rec["arrival_s"], rec["arrivals_s"])
     r.on_finish(rec["arrivals_s"][-1] if rec["arrivals_s"] else 0.0)
     return r
 
