@@ -17,6 +17,7 @@ from tokenflow.core.policy import (
     GUARDED,
     KEEP_RUNNING,
     MUST_RESUME,
+    SENT_AHEAD,
     EngineView,
     Phase,
     RequestView,
@@ -148,6 +149,30 @@ def test_at_capacity_a_reader_holding_more_than_is_worth_sending_gives_way():
     assert policy.rank_key(under, eng, 0.0)[0] == GUARDED
 
 
+def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
+    """One slot, spare capacity, and two readers who both hold more than is
+    worth sending now. The fast one finishes reading (its buffer and the 100
+    tokens it has left, at 40 tokens/s: 6.25 s) before the work in hand ends
+    (1,000 tokens at 100 tokens/s: 10 s), so it can get each token just in
+    time; a token sent to it now would land past its cap and count for
+    nothing. The slow one reads for 210 s more: some of its tokens go out
+    ahead of need whatever is chosen. The slot goes to the slow one, and the
+    fast one waits, holding its KV, for its resume level."""
+    policy = TokenFlowPolicy(TokenFlowConfig(dt=0.5))
+    eng = EngineView(16, 1000, 960, 1, decode_tps=100.0, step_rate=100.0, prefill_tps=1000.0,
+                     step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=1000, running=1)
+    fast = RequestView("fast", Phase.RUNNING, 0.0, 40.0, 150.0, 400, 500, 416, 27, True)
+    slow = RequestView("slow", Phase.PAUSED, 0.0, 5.0, 300.0, 100, 1000, 116, 8, False, host_blocks=7)
+    d = policy.decide([fast, slow], eng)
+    assert not d.fallback_fcfs and d.work_end_s == pytest.approx(10.0)
+    assert d.run == ["slow"] and d.pause_hold == ["fast"], d
+    assert policy.rank_key(fast, eng, d.swap_share, d.work_end_s)[0] == SENT_AHEAD
+    assert policy.rank_key(slow, eng, d.swap_share, d.work_end_s)[0] == BY_PRIORITY
+    # Without a measure of capacity there is no work end: U alone ranks, and
+    # the running reader keeps its slot (its swap would cost the batch).
+    assert [r.req_id for r in policy.rank([fast, slow], eng, d.swap_share)] == ["fast", "slow"]
+
+
 def test_readers_about_to_stall_buy_guarded_places_within_the_swap_budget():
     """Five readers at their resume level, four guarded readers in the four
     slots. With spare capacity the stalling readers take guarded places
@@ -255,7 +280,7 @@ def test_decision_time_is_small_at_400():
 # --- the rank key against the paper's rules, written plainly ----------------------
 # The key is tuned for speed (constants bound once, comparisons for clamps);
 # this is steps 4 and 5 with min()/max(), which it must equal exactly.
-def reference_key(cfg, r, eng, share=0.5):
+def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
     step_rate = eng.step_rate or 1.0 / cfg.dt
     speed_dt = step_rate * cfg.dt
     if eng.transfer_tps:
@@ -291,6 +316,11 @@ def reference_key(cfg, r, eng, share=0.5):
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
     useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
+    # a reader above its resume level who finishes reading before the work
+    # in hand ends: served just in time, so it takes only the room left over
+    if tier == BY_PRIORITY and (r.phase is not Phase.WAITING or r.reading) \
+            and b + r.max_tokens - r.num_output < rate * work_end:
+        tier = SENT_AHEAD
     return tier, -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
 
 
@@ -329,14 +359,14 @@ def tied_populations(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(tied_populations())
-def test_rank_key_is_the_papers_rules(pop):
+@given(tied_populations(), st.sampled_from([0.0, 5.0, 100.0]))
+def test_rank_key_is_the_papers_rules(pop, work_end):
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
-    expected = [reference_key(cfg, r, eng) for r in reqs]
-    assert [policy.rank_key(r, eng) for r in reqs] == expected
+    expected = [reference_key(cfg, r, eng, work_end=work_end) for r in reqs]
+    assert [policy.rank_key(r, eng, work_end=work_end) for r in reqs] == expected
     # rank()'s one pass over the whole list puts each request where its key says.
-    tiers = policy.tiers(reqs, eng)
+    tiers = policy.tiers(reqs, eng, work_end=work_end)
     for tier, members in enumerate(tiers):
         assert [(v, r.req_id) for v, r in members] == [
             (key[1], r.req_id) for r, key in zip(reqs, expected) if key[0] == tier]
@@ -359,7 +389,7 @@ def test_room_beside_the_guard_is_one_pack_of_the_plain_loop(pop, share, budget)
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
     costs = []
-    keep, resume, guard, _ = policy.tiers(reqs, eng, share, costs)
+    keep, resume, guard, _, _ = policy.tiers(reqs, eng, share, costs)
     keep, resume = ([r for _, r in sorted(t, key=lambda p: p[0])] for t in (keep, resume))
     assert policy.room_beside_guard(keep, resume, guard, costs, budget, eng) == \
         reference_room(policy, keep, resume, guard, costs, budget, eng)
@@ -376,7 +406,7 @@ def check_follows_rank(policy, reqs, eng):
     newcomers = sorted((r for r in reqs if r.phase is Phase.WAITING and r.req_id in chosen),
                        key=lambda r: r.arrival_time)
     candidates = [r for r in reqs if r.phase is not Phase.WAITING] + newcomers
-    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share, d.swap_budget)]
+    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share, d.swap_budget, d.work_end_s)]
     assert d.order == [i for i in ranked if i in chosen]
     by_id = {r.req_id: r for r in reqs}
     released = [by_id[i].buffer_s for i in d.pause_release if by_id[i].kv_resident]

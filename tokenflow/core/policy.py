@@ -68,6 +68,7 @@ KEEP_RUNNING = 0  # running, its buffer at or below the pause level
 MUST_RESUME = 1  # paused, its buffer at or below the resume level
 GUARDED = 2  # running past the pause level, not yet past the swap's share: ranked by U, but no paused reader's place
 BY_PRIORITY = 3
+SENT_AHEAD = 4  # a reader above its resume level whose answer ends within the work in hand: by U, last
 _VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
 _ARRIVAL = attrgetter("arrival_time")
 
@@ -145,6 +146,11 @@ class Decision:
     # what readers at their resume level may spend this interval on taking
     # guarded readers' places (`TokenFlowPolicy.rank`). 0: nothing.
     swap_budget: float = 0.0
+    # Seconds the work in hand (every live request's tokens left) takes at
+    # the engine's capacity: a reader whose answer its reader finishes
+    # within it is served just in time, not ahead (`TokenFlowPolicy.tiers`).
+    # 0: capacity unknown, no reader is told apart so.
+    work_end_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +190,7 @@ class Pool:
     blocks: int  # KV blocks of all requests, summed
     active_blocks: int  # KV blocks of the running and paused requests, summed
     waiting_blocks: int  # KV blocks the waiting requests need to start
+    tokens_left: int  # output tokens all of them have still to generate
 
 
 def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
@@ -192,10 +199,11 @@ def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
     needs at most `rate_cap` tokens/s (what one running request gets): one
     that states more is served at that speed whatever it states."""
     waiting, active = [], []
-    required, n_running, blocks, waiting_blocks = 0.0, 0, 0, 0
+    required, n_running, blocks, waiting_blocks, left = 0.0, 0, 0, 0, 0
     waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
     for r in reqs:
         blocks += r.blocks
+        left += r.max_tokens - r.num_output
         phase = r.phase
         if phase is waiting_phase:
             waiting.append(r)
@@ -206,7 +214,7 @@ def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
         required += rate if rate < rate_cap else rate_cap
         if phase is running:
             n_running += 1
-    return Pool(waiting, active, required, n_running, blocks, blocks - waiting_blocks, waiting_blocks)
+    return Pool(waiting, active, required, n_running, blocks, blocks - waiting_blocks, waiting_blocks, left)
 
 
 @dataclass(slots=True)
@@ -301,6 +309,7 @@ class TokenFlowPolicy:
         capacity = fitting_capacity(pool, eng, cfg.kv_headroom)
         share = swap_share(pool.required, capacity)
         budget = share * capacity * cfg.dt if capacity else 0.0
+        work_end = pool.tokens_left / capacity if capacity else 0.0
         by_arrival = sorted(pool.waiting, key=_ARRIVAL)
         # The earliest arrivals get the room; the rest are deferred. The
         # working set never defers a newcomer that fits in the free slots and
@@ -310,9 +319,9 @@ class TokenFlowPolicy:
         newcomers, deferred = by_arrival[:room], by_arrival[room:]
         candidates = pool.active + newcomers
         # sorted() is stable: equal keys keep the order of `candidates`.
-        chosen = self.pack(self.rank(candidates, eng, share, budget), eng)
+        chosen = self.pack(self.rank(candidates, eng, share, budget, work_end), eng)
         d = self.to_decision(pool, chosen, deferred, eng)
-        d.swap_share, d.swap_budget = share, budget
+        d.swap_share, d.swap_budget, d.work_end_s = share, budget, work_end
         return d
 
     def needs_decision(self, q: QueueCounts) -> bool:
@@ -351,7 +360,7 @@ class TokenFlowPolicy:
         return max(0 if n_running else 1, math.floor(w_sched) - n_current)
 
     def rank(self, candidates: list[RequestView], eng: EngineView,
-             share: float = DEFAULT_SWAP_SHARE, budget: float = 0.0) -> list[RequestView]:
+             share: float = DEFAULT_SWAP_SHARE, budget: float = 0.0, work_end: float = 0.0) -> list[RequestView]:
         """Steps 4 and 5: requests that must keep running, then those that
         must resume, each lowest buffer first; then the rest by priority U,
         highest first. Guarded running readers rank with the newcomers, by
@@ -359,13 +368,15 @@ class TokenFlowPolicy:
         at its resume level takes free room or an unguarded reader's place,
         and a guarded one's only while the swaps so made cost the batch at
         most `budget` tokens (the guarded of lowest U first). Those it
-        cannot have wait behind the guarded. Sorts are stable: equal keys
+        cannot have wait behind the guarded. Readers sent ahead of time
+        (SENT_AHEAD, see tiers()) come last. Sorts are stable: equal keys
         keep the given order."""
         costs: list[float] = []
-        keep, resume, guard, rest = self.tiers(candidates, eng, share, costs)
+        keep, resume, guard, rest, ahead_of_time = self.tiers(candidates, eng, share, costs, work_end)
         keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
+        last = list(map(_REQUEST, sorted(ahead_of_time, key=_VALUE)))
         if not guard:
-            return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE)))
+            return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE))) + last
         waiting = Phase.WAITING
         ahead, others = list(guard), []
         for p in rest:
@@ -374,7 +385,7 @@ class TokenFlowPolicy:
         room = self.room_beside_guard(keep, resume, guard, costs, budget, eng) if resume else set()
         first = [r for r in resume if id(r) in room]
         later = [r for r in resume if id(r) not in room]
-        return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE)))
+        return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE))) + last
 
     def room_beside_guard(self, keep: list[RequestView], resume: list[RequestView], guard: list,
                           costs: list[float], budget: float, eng: EngineView) -> set[int]:
@@ -428,13 +439,26 @@ class TokenFlowPolicy:
             budget -= held[m][1]
 
     def tiers(self, reqs: list[RequestView], eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
-              costs: list[float] | None = None) -> tuple[list, list, list, list]:
+              costs: list[float] | None = None, work_end: float = 0.0) -> tuple[list, list, list, list, list]:
         """Each request as a (value, request) pair in its tier, in the given
         order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
-        GUARDED and BY_PRIORITY by -U (step 5); ascending value ranks first. One pass over
+        GUARDED, BY_PRIORITY and SENT_AHEAD by -U (step 5); ascending value
+        ranks first. One pass over
         all candidates per decision, so the constants are bound once and the
         clamps are comparisons, not min()/max(). `costs`, if given, gets
-        each guarded request's swap cost in tokens, in the guard's order."""
+        each guarded request's swap cost in tokens, in the guard's order.
+
+        SENT_AHEAD: an unguarded reader above its resume level whose reader
+        finishes the answer (what it holds and what is left, at its rate)
+        before the work in hand ends (`work_end`, Decision.work_end_s). It
+        can get each token just in time (its resume level brings it back
+        before it runs dry), and a token sent now, ahead of need, is one its
+        reader would have counted in full later: the buffer it lands in
+        only grows, and past the part of the answer worth sending ahead
+        (EFFECTIVE_HIGH_FRACTION) a token counts for nothing. So such
+        readers take only the room no one else wants. The room the others
+        leave goes first to readers whose answers outlast the work in hand:
+        some of their tokens must go out ahead of need whatever is chosen."""
         cfg = self.cfg
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
@@ -446,7 +470,7 @@ class TokenFlowPolicy:
         # the batch decodes per second now, not one request's speed.
         batch_tps = lv.step_rate * eng.running if eng.running else (eng.decode_tps or lv.step_rate)
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
-        keep, resume, guard, rest = [], [], [], []
+        keep, resume, guard, rest, last = [], [], [], [], []
         for r in reqs:
             rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
@@ -505,13 +529,17 @@ class TokenFlowPolicy:
                 guard.append((value, r))
                 if costs is not None:
                     costs.append(bonus)
+            elif (phase is running or phase is paused or r.reading) and \
+                    b + r.max_tokens - r.num_output < rate * work_end:
+                last.append((value, r))
             else:
                 rest.append((value, r))
-        return keep, resume, guard, rest
+        return keep, resume, guard, rest, last
 
-    def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> tuple[int, float]:
+    def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
+                 work_end: float = 0.0) -> tuple[int, float]:
         """(tier, value) of one request: where rank() puts it."""
-        for tier, members in enumerate(self.tiers([r], eng, share)):
+        for tier, members in enumerate(self.tiers([r], eng, share, work_end=work_end)):
             if members:
                 return tier, members[0][0]
         raise AssertionError("unreachable: every request has a tier")
@@ -522,7 +550,7 @@ class TokenFlowPolicy:
     def priority(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
         tier, value = self.rank_key(r, eng, share)
-        return -value if tier in (GUARDED, BY_PRIORITY) else math.inf
+        return -value if tier in (GUARDED, BY_PRIORITY, SENT_AHEAD) else math.inf
 
     def pack_limits(self, eng: EngineView) -> tuple[int, int, int]:
         """(KV blocks to fill, blocks a running request grows by in an
