@@ -17,6 +17,7 @@ from tokenflow.core.policy import (
     GUARDED,
     KEEP_RUNNING,
     MUST_RESUME,
+    OUTLASTS,
     SENT_AHEAD,
     EngineView,
     Phase,
@@ -157,7 +158,8 @@ def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
     time; a token sent to it now would land past its cap and count for
     nothing. The slow one reads for 210 s more: some of its tokens go out
     ahead of need whatever is chosen. The slot goes to the slow one, and the
-    fast one waits, holding its KV, for its resume level."""
+    fast one waits, holding its KV, for its resume level. Of readers who
+    read on past the work, the one reading on longest gets the room first."""
     policy = TokenFlowPolicy(TokenFlowConfig(dt=0.5))
     eng = EngineView(16, 1000, 960, 1, decode_tps=100.0, step_rate=100.0, prefill_tps=1000.0,
                      step_cost=(0.01, 0.0), transfer_tps=1e5, host_blocks=1000, running=1)
@@ -167,7 +169,11 @@ def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
     assert not d.fallback_fcfs and d.work_end_s == pytest.approx(10.0)
     assert d.run == ["slow"] and d.pause_hold == ["fast"], d
     assert policy.rank_key(fast, eng, d.swap_share, d.work_end_s)[0] == SENT_AHEAD
-    assert policy.rank_key(slow, eng, d.swap_share, d.work_end_s)[0] == BY_PRIORITY
+    assert policy.rank_key(slow, eng, d.swap_share, d.work_end_s)[0] == OUTLASTS
+    # Of two readers who read on past the work, the one reading on longer first.
+    medium = RequestView("medium", Phase.PAUSED, 0.0, 10.0, 300.0, 100, 1000, 116, 8, False, host_blocks=7)
+    assert [r.req_id for r in policy.rank([fast, medium, slow], eng, d.swap_share, budget=0.0, work_end=10.0)] \
+        == ["slow", "medium", "fast"]
     # Without a measure of capacity there is no work end: U alone ranks, and
     # the running reader keeps its slot (its swap would cost the batch).
     assert [r.req_id for r in policy.rank([fast, slow], eng, d.swap_share)] == ["fast", "slow"]
@@ -316,10 +322,14 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
     useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
-    # a reader above its resume level who finishes reading before the work
-    # in hand ends: served just in time, so it takes only the room left over
-    if tier == BY_PRIORITY and (r.phase is not Phase.WAITING or r.reading) \
-            and b + r.max_tokens - r.num_output < rate * work_end:
+    # once the work in hand is known, a reader above its resume level takes
+    # only the room newcomers and readers about to run dry leave: first the
+    # readers who read on past the end of that work, longest first, then
+    # (served just in time otherwise) those who finish within it, by U
+    if tier == BY_PRIORITY and work_end > 0 and (r.phase is not Phase.WAITING or r.reading):
+        reads_on = b + r.max_tokens - r.num_output - rate * work_end
+        if reads_on >= 0:
+            return OUTLASTS, -reads_on / rate
         tier = SENT_AHEAD
     return tier, -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
 
@@ -389,7 +399,7 @@ def test_room_beside_the_guard_is_one_pack_of_the_plain_loop(pop, share, budget)
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
     costs = []
-    keep, resume, guard, _, _ = policy.tiers(reqs, eng, share, costs)
+    keep, resume, guard, *_ = policy.tiers(reqs, eng, share, costs)
     keep, resume = ([r for _, r in sorted(t, key=lambda p: p[0])] for t in (keep, resume))
     assert policy.room_beside_guard(keep, resume, guard, costs, budget, eng) == \
         reference_room(policy, keep, resume, guard, costs, budget, eng)

@@ -68,7 +68,8 @@ KEEP_RUNNING = 0  # running, its buffer at or below the pause level
 MUST_RESUME = 1  # paused, its buffer at or below the resume level
 GUARDED = 2  # running past the pause level, not yet past the swap's share: ranked by U, but no paused reader's place
 BY_PRIORITY = 3
-SENT_AHEAD = 4  # a reader above its resume level whose answer ends within the work in hand: by U, last
+OUTLASTS = 4  # a reader above its resume level who reads on past the work in hand: most reading past it first
+SENT_AHEAD = 5  # a reader above its resume level who finishes reading within the work in hand: by U, last
 _VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
 _ARRIVAL = attrgetter("arrival_time")
 
@@ -368,13 +369,14 @@ class TokenFlowPolicy:
         at its resume level takes free room or an unguarded reader's place,
         and a guarded one's only while the swaps so made cost the batch at
         most `budget` tokens (the guarded of lowest U first). Those it
-        cannot have wait behind the guarded. Readers sent ahead of time
-        (SENT_AHEAD, see tiers()) come last. Sorts are stable: equal keys
+        cannot have wait behind the guarded. Readers above their resume
+        level come last when the work in hand is known (OUTLASTS, then
+        SENT_AHEAD, see tiers()). Sorts are stable: equal keys
         keep the given order."""
         costs: list[float] = []
-        keep, resume, guard, rest, ahead_of_time = self.tiers(candidates, eng, share, costs, work_end)
+        keep, resume, guard, rest, outlast, ahead_of_time = self.tiers(candidates, eng, share, costs, work_end)
         keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
-        last = list(map(_REQUEST, sorted(ahead_of_time, key=_VALUE)))
+        last = [*map(_REQUEST, sorted(outlast, key=_VALUE)), *map(_REQUEST, sorted(ahead_of_time, key=_VALUE))]
         if not guard:
             return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE))) + last
         waiting = Phase.WAITING
@@ -439,26 +441,31 @@ class TokenFlowPolicy:
             budget -= held[m][1]
 
     def tiers(self, reqs: list[RequestView], eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
-              costs: list[float] | None = None, work_end: float = 0.0) -> tuple[list, list, list, list, list]:
+              costs: list[float] | None = None, work_end: float = 0.0) -> tuple[list, list, list, list, list, list]:
         """Each request as a (value, request) pair in its tier, in the given
         order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
-        GUARDED, BY_PRIORITY and SENT_AHEAD by -U (step 5); ascending value
-        ranks first. One pass over
+        GUARDED, BY_PRIORITY and SENT_AHEAD by -U (step 5), OUTLASTS by the
+        seconds its reader reads on past the work in hand, negated;
+        ascending value ranks first. One pass over
         all candidates per decision, so the constants are bound once and the
         clamps are comparisons, not min()/max(). `costs`, if given, gets
         each guarded request's swap cost in tokens, in the guard's order.
 
-        SENT_AHEAD: an unguarded reader above its resume level whose reader
-        finishes the answer (what it holds and what is left, at its rate)
-        before the work in hand ends (`work_end`, Decision.work_end_s). It
-        can get each token just in time (its resume level brings it back
-        before it runs dry), and a token sent now, ahead of need, is one its
-        reader would have counted in full later: the buffer it lands in
-        only grows, and past the part of the answer worth sending ahead
-        (EFFECTIVE_HIGH_FRACTION) a token counts for nothing. So such
-        readers take only the room no one else wants. The room the others
-        leave goes first to readers whose answers outlast the work in hand:
-        some of their tokens must go out ahead of need whatever is chosen."""
+        Once the work in hand is known (`work_end` > 0: the seconds every
+        live request's tokens left take at the engine's capacity,
+        Decision.work_end_s), an unguarded reader above its resume level
+        runs only in the room newcomers and readers about to run dry leave.
+        Its resume level brings it back before it runs dry, so each token
+        it gets now is sent ahead of need, into a buffer that only grows,
+        and past the part of the answer worth sending ahead
+        (EFFECTIVE_HIGH_FRACTION) a token counts for nothing. When the
+        engine decodes more than its readers need, that room must go to
+        someone. SENT_AHEAD: its reader finishes the answer (what it holds
+        and what is left, at its rate) before the work in hand ends; every
+        token it gets early is one it would have counted in full later, so
+        it comes last. OUTLASTS: its reader reads on past the end of that
+        work; some of its tokens go out ahead of need whatever is chosen,
+        the more so the longer it reads on, so the longest reading first."""
         cfg = self.cfg
         dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
         lv = Levels.of(eng, dt)
@@ -470,7 +477,7 @@ class TokenFlowPolicy:
         # the batch decodes per second now, not one request's speed.
         batch_tps = lv.step_rate * eng.running if eng.running else (eng.decode_tps or lv.step_rate)
         exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
-        keep, resume, guard, rest, last = [], [], [], [], []
+        keep, resume, guard, rest, outlast, last = [], [], [], [], [], []
         for r in reqs:
             rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
             if phase is running:
@@ -529,12 +536,15 @@ class TokenFlowPolicy:
                 guard.append((value, r))
                 if costs is not None:
                     costs.append(bonus)
-            elif (phase is running or phase is paused or r.reading) and \
-                    b + r.max_tokens - r.num_output < rate * work_end:
-                last.append((value, r))
+            elif work_end > 0.0 and (phase is running or phase is paused or r.reading):
+                reads_on = b + r.max_tokens - r.num_output - rate * work_end  # tokens past the work's end
+                if reads_on < 0.0:
+                    last.append((value, r))
+                else:
+                    outlast.append((-reads_on / rate, r))
             else:
                 rest.append((value, r))
-        return keep, resume, guard, rest, last
+        return keep, resume, guard, rest, outlast, last
 
     def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
                  work_end: float = 0.0) -> tuple[int, float]:
@@ -550,7 +560,7 @@ class TokenFlowPolicy:
     def priority(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> float:
         """U_i: useful tokens in the next dt if run, plus the low-buffer penalty."""
         tier, value = self.rank_key(r, eng, share)
-        return -value if tier in (GUARDED, BY_PRIORITY, SENT_AHEAD) else math.inf
+        return -value if tier in (GUARDED, BY_PRIORITY, SENT_AHEAD) else math.inf  # OUTLASTS: not by U
 
     def pack_limits(self, eng: EngineView) -> tuple[int, int, int]:
         """(KV blocks to fill, blocks a running request grows by in an
