@@ -46,7 +46,12 @@ Steps, as in the paper:
     context without a host tier, the unfinished tail block with one; with
     one, also the step and the reload its own slot sits out). Highest U
     runs while KV blocks and sequence slots last; of the rest, the largest
-    buffers (in seconds) release KV first.
+    buffers (in seconds) release KV first. Once the work in hand is known
+    (its tokens left over the engine's capacity), readers above their
+    resume level (unguarded) rank after newcomers: those who read on past
+    that work's end first, longest first; those it can serve just in time
+    last (`TokenFlowPolicy.tiers`). Tokens sent ahead of need land past a
+    reader's cap and count for nothing in effective throughput.
  6. Resume mode: reload from host when its I/O time is below the prefill
     time of the context, else recompute.
 """
