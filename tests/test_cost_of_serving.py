@@ -34,6 +34,14 @@ MAX_OWN_CPU_RATIO = 2.5
 NO_BATCHING = {"experimental_configs": {"stream_batching_interval_ms": 0}}
 
 
+def test_bench_serving_rejects_bad_arguments(tmp_path):
+    for args, msg in ((["--rounds", "0"], "--rounds"), (["--idle-s", "0"], "--idle-s"),
+                      (["--app-args", "[1]"], "--app-args")):
+        r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-serving", "--out", str(tmp_path), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "error" in r.stderr and msg in r.stderr, (args, r.stderr)
+
+
 @pytest.mark.slow
 def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
     out = tmp_path / "bench-serving"
@@ -59,7 +67,17 @@ def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
             assert cpu["router"] == 0 and cpu["pool"] == 0  # stock has neither actor
         else:
             assert cpu["router"] > 0, row  # our state board was found and booked as ours
-    print("\n" + r.stdout[-2500:])
+    # Each role's CPU splits into its idle rate over the burst and what it
+    # spent beyond that per token (what a token costs a layer).
+    idle = summary["idle_cpu_s_per_s"]
+    assert idle["stock"]["router"] == 0 and idle["tokenflow"]["proxy"] == idle["stock"]["proxy"]
+    for row in rows:
+        beyond = row["cpu_s_per_1k_tokens_beyond_idle"]
+        for role, spent in row["cpu_s"].items():
+            rate = idle[row["app"]].get(role, 0.0)
+            assert rate >= 0 and spent == pytest.approx(rate * row["wall_s"] + beyond[role] * row["tokens"] / 1000)
+        assert row["own_cpu_s_per_1k_tokens_beyond_idle"] == pytest.approx(sum(beyond[k] for k in row["own_layers"]))
+    print("\n" + r.stdout[-3500:])
     ratio = summary["ratios"]["median"]["own_cpu_per_token"]
     assert ratio <= MAX_OWN_CPU_RATIO, summary["ratios"]
     with socket.socket() as sock:  # the app is gone

@@ -19,6 +19,15 @@ Serve's controller, Ray's own processes and the client; beside them output
 throughput and TTFT from the client's token times. The processes of the
 other app (idle during the burst) are left out.
 
+Some of that CPU is spent per second whether tokens stream or not (state
+pushes, long polls, metrics, health checks), and the rest per token. Before
+the bursts, with both apps idle, the bench reads each role's idle CPU per
+second; each burst then also reports its CPU beyond that rate times its
+length, per 1,000 tokens: what a token costs a layer, apart from what the
+layer costs per second (a lower bound of the time-based part: under load
+the same loops carry larger states). The first scales with a machine's
+token rate, the second does not.
+
 OUT gets app.yaml (what was served), serve.log, summary.json.
 """
 
@@ -208,8 +217,21 @@ def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: fl
                                                 None, launcher.api_key_from_env()))
 
 
+def idle_rates(procs: list[Proc], seconds: float) -> dict[str, dict[str, float]]:
+    """Each app's CPU seconds per second by role while nothing streams."""
+    before = cpu_seconds(procs)
+    time.sleep(seconds)
+    after = cpu_seconds(procs)
+    return {app: {k: v / seconds for k, v in by_role(procs, before, after, app).items()} for app in (OURS, STOCK)}
+
+
+def beyond_idle(cpu: dict[str, float], idle: dict[str, float], wall: float, tokens: int) -> dict[str, float | None]:
+    """CPU seconds per 1,000 tokens each role spent over its idle rate."""
+    return {k: 1000 * (v - idle.get(k, 0.0) * wall) / tokens if tokens else None for k, v in cpu.items()}
+
+
 def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: int, max_tokens: int,
-            timeout: float) -> dict:
+            timeout: float, idle: dict[str, float] | None = None) -> dict:
     routed0 = received_by_engine(base_url, pushed_after=time.time()) if app == OURS else {}
     before, client0, t0 = cpu_seconds(procs), time.process_time(), time.monotonic()
     records = burst(base_url, model, requests, max_tokens, timeout)
@@ -228,6 +250,7 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     per_1k = {k: 1000 * v / tokens if tokens else None for k, v in cpu.items()}
     own = sum(cpu[k] for k in OWN_LAYERS[app])
+    load = beyond_idle(cpu, idle or {}, wall, tokens)
     return {"app": app, "requests": requests, "failed": len(records) - len(ok), "tokens": tokens,
             "wall_s": wall, "output_throughput": tokens / (last - first) if last > first else 0.0,
             "median_ttft_ms": 1000 * percentile(ttfts, 0.5) if ttfts else None,
@@ -236,13 +259,15 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
             # requests per engine (ours only): an uneven split ends a burst later
             "routed": sorted(routed.values(), reverse=True) if routed else routed,
             "own_layers": list(OWN_LAYERS[app]),
-            "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None}
+            "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None,
+            "cpu_s_per_1k_tokens_beyond_idle": load,
+            "own_cpu_s_per_1k_tokens_beyond_idle": sum(load[k] for k in OWN_LAYERS[app]) if tokens else None}
 
 
 def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_tokens: int = 512, rounds: int = 3,
                       engines: int | None = None, port: int | None = None, warmup: int = 8,
                       timeout: float = 600.0, ready_timeout: float = 600.0, app_nice: int = 10,
-                      app_args: dict | None = None, progress=None) -> dict:
+                      app_args: dict | None = None, idle_s: float = 5.0, progress=None) -> dict:
     out, config_path, port = bench_paths(out_dir, config, port)
     doc = combined_config(config_path, port, requests, engines, app_args)
     our_name = doc["applications"][0]["name"]
@@ -256,21 +281,24 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
         for app, url in urls.items():  # first requests pay one-time costs
             burst(url, served.model, warmup, 32, timeout)
         procs = roles(served.proc.pid, our_name)
+        time.sleep(1.0)  # the warm-up's tail settles
+        idle = idle_rates(procs, idle_s)
         for i in range(rounds):
             order = (OURS, STOCK) if i % 2 == 0 else (STOCK, OURS)
             for app in order:
                 time.sleep(1.0)  # the previous burst's tail (pushes, logs) settles
-                row = measure(app, urls[app], served.model, procs, requests, max_tokens, timeout)
+                row = measure(app, urls[app], served.model, procs, requests, max_tokens, timeout, idle[app])
                 row["round"] = i
                 rows.append(row)
                 if progress is not None:
                     progress(row)
     summary = {"workload": {"config": str(config), "requests": requests, "max_tokens": max_tokens,
                             "rounds": rounds, "engines": engines, "app_nice": app_nice, "warmup": warmup,
+                            "idle_s": idle_s,
                             "app_args": app_args or {},
                             "method": "both apps in one serve run; each burst alone on the machine; per-process "
                                       "CPU time (user+system) read before and after it"},
-               "rows": rows, "ratios": ratios(rows)}
+               "idle_cpu_s_per_s": idle, "rows": rows, "ratios": ratios(rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -285,6 +313,8 @@ def ratios(rows: list[dict]) -> dict:
             "output_throughput": _div(a["output_throughput"], b["output_throughput"]),
             "median_ttft": _div(a["median_ttft_ms"], b["median_ttft_ms"]),
             "own_cpu_per_token": _div(a["own_cpu_s_per_1k_tokens"], b["own_cpu_s_per_1k_tokens"]),
+            "own_cpu_per_token_beyond_idle": _div(a["own_cpu_s_per_1k_tokens_beyond_idle"],
+                                                  b["own_cpu_s_per_1k_tokens_beyond_idle"]),
             "all_cpu_per_token": _div(sum(a["cpu_s"].values()) / max(a["tokens"], 1),
                                       sum(b["cpu_s"].values()) / max(b["tokens"], 1)),
         })
@@ -317,6 +347,29 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def idle_table(summary: dict) -> str:
+    """Each role's CPU per second while idle, and per 1,000 tokens beyond it
+    (medians over rounds), per app."""
+    idle = summary["idle_cpu_s_per_s"]
+    lines = ["| role | idle CPU s per s, " + ", ".join((OURS, STOCK)) + " | CPU s per 1,000 tokens beyond idle, "
+             + ", ".join((OURS, STOCK)) + " |", "| --- | --- | --- |"]
+
+    def med(app, f):
+        xs = [x for x in (f(r) for r in summary["rows"] if r["app"] == app) if x is not None]
+        return statistics.median(xs) if xs else None
+
+    def cells(xs):
+        return " / ".join("-" if x is None else f"{x:.3f}" for x in xs)
+
+    for role in ROLES:
+        beyond = [med(app, lambda r: r["cpu_s_per_1k_tokens_beyond_idle"][role]) for app in (OURS, STOCK)]
+        lines.append(f"| {role} | {cells([idle[app][role] for app in (OURS, STOCK)])} | {cells(beyond)} |")
+    own_idle = [sum(idle[app][k] for k in OWN_LAYERS[app]) for app in (OURS, STOCK)]
+    own_beyond = [med(app, lambda r: r["own_cpu_s_per_1k_tokens_beyond_idle"]) for app in (OURS, STOCK)]
+    lines.append(f"| own layers | {cells(own_idle)} | {cells(own_beyond)} |")
+    return "\n".join(lines)
+
+
 # --- command line ---------------------------------------------------------------------
 
 def add_arguments(parser) -> None:
@@ -331,6 +384,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--app-args", default="{}",
                         help="JSON deep-merged into TokenFlow's app args, e.g. '{\"router\": {\"enabled\": false}}' "
                              "to see what a feature costs")
+    parser.add_argument("--idle-s", type=float, default=5.0,
+                        help="seconds of both apps idle, before the bursts, to read each role's CPU per second "
+                             "apart from what it spends per token")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="out/bench-serving")
 
@@ -344,6 +400,9 @@ def run(args) -> int:
     if args.engines is not None and args.engines < 1:
         print("tokenflow bench-serving: error: --engines must be at least 1", file=sys.stderr)
         return 2
+    if not args.idle_s > 0:
+        print("tokenflow bench-serving: error: --idle-s must be above 0", file=sys.stderr)
+        return 2
 
     try:
         app_args = json.loads(args.app_args)
@@ -356,17 +415,19 @@ def run(args) -> int:
 
     def progress(row: dict) -> None:
         print(json.dumps({k: row[k] for k in ("round", "app", "tokens", "failed", "output_throughput",
-                                              "median_ttft_ms", "own_cpu_s_per_1k_tokens", "routed")}), flush=True)
+                                              "median_ttft_ms", "own_cpu_s_per_1k_tokens",
+                                              "own_cpu_s_per_1k_tokens_beyond_idle", "routed")}), flush=True)
 
     try:
         summary = run_bench_serving(args.out, args.config, requests=args.requests, max_tokens=args.max_tokens,
                                     rounds=args.rounds, engines=args.engines, port=args.port,
                                     ready_timeout=args.ready_timeout, app_nice=args.app_nice, app_args=app_args,
-                                    progress=progress)
+                                    idle_s=args.idle_s, progress=progress)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"tokenflow bench-serving: error: {e}", file=sys.stderr)
         return 1
     print(table(summary))
+    print(idle_table(summary))
     print(json.dumps(summary["ratios"]["median"]))
     print(f"wrote {args.out}/summary.json")
     return 1 if any(r["failed"] for r in summary["rows"]) else 0
