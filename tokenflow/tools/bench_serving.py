@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import os
 import re
@@ -327,14 +328,17 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
+def _median_over_rounds(summary: dict, app: str, f) -> float | None:
+    """The median of f(row) over `app`'s rounds, leaving out None."""
+    xs = [x for x in (f(r) for r in summary["rows"] if r["app"] == app) if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def table(summary: dict) -> str:
     """A Markdown table of CPU seconds per 1,000 tokens by role, per app (medians over rounds)."""
     lines = ["| role | " + " | ".join((OURS, STOCK)) + " |", "| --- | --- | --- |"]
 
-    def med(app, f):
-        xs = [f(r) for r in summary["rows"] if r["app"] == app]
-        xs = [x for x in xs if x is not None]
-        return statistics.median(xs) if xs else None
+    med = functools.partial(_median_over_rounds, summary)
 
     for role in ROLES:
         cells = [med(app, lambda r: r["cpu_s_per_1k_tokens"][role]) for app in (OURS, STOCK)]
@@ -354,9 +358,7 @@ def idle_table(summary: dict) -> str:
     lines = ["| role | idle CPU s per s, " + ", ".join((OURS, STOCK)) + " | CPU s per 1,000 tokens beyond idle, "
              + ", ".join((OURS, STOCK)) + " |", "| --- | --- | --- |"]
 
-    def med(app, f):
-        xs = [x for x in (f(r) for r in summary["rows"] if r["app"] == app) if x is not None]
-        return statistics.median(xs) if xs else None
+    med = functools.partial(_median_over_rounds, summary)
 
     def cells(xs):
         return " / ".join("-" if x is None else f"{x:.3f}" for x in xs)
