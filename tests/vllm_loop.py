@@ -454,8 +454,9 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     from tokenflow.core.buffer import ReaderBuffer
     from tokenflow.engine import scheduler as sched_mod
 
-    full_rate = slots / (0.004 + 0.0002 * slots)
-    base = load * full_rate / (requests * (0.5 + 0.3 * 2 + 0.2 * 4))
+    mix = ((1, 0.5), (2, 0.3), (4, 0.2))  # (rate in units of r, share of the readers)
+    full_rate = slots / (StepCost.base_s + StepCost.decode_s * slots)
+    base = load * full_rate / (requests * sum(m * w for m, w in mix))
     snapshot = sched_mod.TokenFlowMixin.snapshot
 
     def with_tier(self, now):
@@ -475,7 +476,7 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
             rates = {}
             for i in range(requests):
                 x = rng.random()
-                rates[f"r{i}"] = base * (1 if x < 0.5 else 2 if x < 0.8 else 4)
+                rates[f"r{i}"] = base * _share_of(mix, x)
                 loop.add(f"r{i}", [rng.randrange(10, VOCAB) for _ in range(40)], max_tokens, rates[f"r{i}"])
             times: dict[str, list[float]] = {k: [] for k in rates}
             while loop.busy():
@@ -498,6 +499,15 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     finally:
         sched_mod.TokenFlowMixin.snapshot = snapshot
     return rows
+
+
+def _share_of(mix, x: float):
+    """The mix's value whose share of [0, 1) holds x (shares in order)."""
+    for value, share in mix:
+        if x < share:
+            return value
+        x -= share
+    return mix[-1][0]
 
 
 def step_overhead(requests: int = 32, max_tokens: int = 300, reps: int = 5) -> dict:
