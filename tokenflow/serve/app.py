@@ -135,17 +135,10 @@ def build_app(args: dict | None = None):
         # That mode serves vLLM's own ASGI app from the replica and bypasses
         # TokenFlowLLMServer.chat/completions, so consumption_rate would be lost.
         raise RuntimeError("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 is not supported by TokenFlow")
-    from ray import serve
     from ray.serve.llm import build_llm_deployment
-    from ray.serve.llm.ingress import make_fastapi_ingress
 
-    from tokenflow.serve import guard
-    from tokenflow.serve.ingress import TOKENFLOW_ENDPOINTS, TokenFlowIngress
-    from tokenflow.serve.ray_private import (
-        init_fastapi,
-        maybe_apply_llm_deployment_config_defaults,
-        to_model_metadata,
-    )
+    from tokenflow.serve.ingress import TokenFlowIngress
+    from tokenflow.serve.ray_private import maybe_apply_llm_deployment_config_defaults, to_model_metadata
 
     llm_config, a = build_llm_config(args)
     if a["kv_pool"]["enabled"]:
@@ -153,17 +146,30 @@ def build_app(args: dict | None = None):
     engines = build_llm_deployment(
         llm_config, bind_kwargs={"tokenflow_cluster": {"router": a["router"], "kv_pool": a["kv_pool"]}})
 
-    ingress_config = ingress_deployment_config(a)
     options = maybe_apply_llm_deployment_config_defaults(
-        TokenFlowIngress.get_deployment_options([llm_config]), ingress_config)
+        TokenFlowIngress.get_deployment_options([llm_config]), ingress_deployment_config(a))
+    return bind_ingress(a, options, {llm_config.model_id: engines},
+                        {llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)},
+                        ({llm_config.model_id: llm_config.lora_config.dynamic_lora_loading_path}
+                         if llm_config.lora_config is not None else {}))
+
+
+def bind_ingress(a: dict, options: dict, llm_deployments: dict, model_cards: dict, lora_paths: dict):
+    """TokenFlow's ingress (the guard, the OpenAI API, re-sends and
+    continuation) as a Serve deployment with `options`, bound to the engine
+    deployments: the app's, or `tokenflow bench-ingress`'s stand-ins."""
+    from ray import serve
+    from ray.serve.llm.ingress import make_fastapi_ingress
+
+    from tokenflow.serve import guard
+    from tokenflow.serve.ingress import TOKENFLOW_ENDPOINTS, TokenFlowIngress
+    from tokenflow.serve.ray_private import init_fastapi
+
     fastapi_app = init_fastapi()
     guard.install(fastapi_app, a["admission"])  # API keys, admission bound, body limit
     ingress_cls = make_fastapi_ingress(TokenFlowIngress, endpoint_map=TOKENFLOW_ENDPOINTS, app=fastapi_app)
     return serve.deployment(ingress_cls, **options).bind(
-        llm_deployments={llm_config.model_id: engines},
-        model_cards={llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)},
-        lora_paths=({llm_config.model_id: llm_config.lora_config.dynamic_lora_loading_path}
-                    if llm_config.lora_config is not None else {}),
+        llm_deployments=llm_deployments, model_cards=model_cards, lora_paths=lora_paths,
         tokenflow_router=a["router"],
         max_resends=a["admission"]["max_resends"],
         max_continuations=a["admission"]["max_continuations"],

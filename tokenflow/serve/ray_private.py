@@ -35,6 +35,9 @@ from ray.serve._private.request_router.pow_2_router import (
 _HEAVY = {
     "ErrorInfo": ("ray.llm._internal.serve.core.configs.openai_api_models", "ErrorInfo"),
     "to_model_metadata": ("ray.llm._internal.serve.core.configs.openai_api_models", "to_model_metadata"),
+    # What /v1/models lists for a model: `tokenflow bench-ingress` writes one
+    # for its stand-in engine, which has no LLMConfig to derive it from.
+    "ModelCard": ("ray.llm._internal.serve.core.configs.openai_api_models", "ModelCard"),
     "DEFAULT_ENDPOINTS": ("ray.llm._internal.serve.core.ingress.ingress", "DEFAULT_ENDPOINTS"),
     "init_fastapi": ("ray.llm._internal.serve.core.ingress.ingress", "init"),
 }

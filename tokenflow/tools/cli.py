@@ -81,6 +81,12 @@ def _cmd_bench_serving(args) -> int:
     return bench_serving.run(args)
 
 
+def _cmd_bench_ingress(args) -> int:
+    from tokenflow.tools import bench_ingress
+
+    return bench_ingress.run(args)
+
+
 def _cmd_bench_router(args) -> int:
     from tokenflow.tools import bench_router
 
@@ -248,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serving.add_arguments(bs)
     bs.set_defaults(func=_cmd_bench_serving)
+    bi = sub.add_parser("bench-ingress", help="TokenFlow's ingress beside stock Ray Serve LLM's, CPU per streamed "
+                                              "token, both fed by one stand-in engine (no model)")
+    from tokenflow.tools import bench_ingress
+
+    bench_ingress.add_arguments(bi)
+    bi.set_defaults(func=_cmd_bench_ingress)
     br = sub.add_parser("bench-router", help="the slack router at cluster scale: real state boards and ingress "
                                              "routing against N stand-in engines (docs/SCALING.md)")
     from tokenflow.tools import bench_router
