@@ -28,7 +28,7 @@ from tokenflow.serve.routing.ranking import (
     slack,
     split_burst,
 )
-from tokenflow.serve.sse import count_chunk, latest_usage
+from tokenflow.serve.sse import count_chunk, ids_in, latest_usage
 from tokenflow.serve.streams import EngineTracker, tracked
 
 S = RoutingSettings(reader_rate=40.0, capacity_tps=1000.0, horizon_s=10.0)
@@ -404,6 +404,60 @@ def test_latest_usage_is_read_without_parsing_and_ignores_escaped_text():
     details = _sse({"choices": [], "usage": {"completion_tokens_details": None, "completion_tokens": 7}})
     assert latest_usage(details) == 7
     assert latest_usage(_sse({"choices": [{"index": 0, "text": "x"}]})) is None
+
+
+def _compact(obj) -> str:  # as vLLM writes its events
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def test_token_ids_are_counted_without_parsing_and_ignore_text_and_prompt_ids():
+    def chunk(ids, text="x", **extra):
+        return _compact({"id": "c", **extra, "choices": [{"index": 0, "delta": {"content": text},
+                                                          "finish_reason": None, "token_ids": ids}]})
+
+    first = chunk([], "", prompt_token_ids=[1, 2, 3])  # the role chunk: the prompt's ids, none generated
+    assert ids_in(first) == 0
+    assert ids_in([chunk([7]), chunk([8, 9])]) == 3  # a batch; a chunk may carry several
+    assert ids_in(chunk(None)) is None  # not asked for: no count, the caller falls back
+    # generated text that spells the field out is escaped JSON: not ids
+    assert ids_in(chunk(None, text='"token_ids":[1,2,3]')) is None
+    assert ids_in([chunk(None), _compact({"choices": [], "usage": {"completion_tokens": 3}})]) is None
+
+
+def test_a_tracked_stream_with_token_ids_counts_them_as_they_come_and_parses_no_event(monkeypatch):
+    """The ingress asks vLLM for token ids on every stream it can continue:
+    the replica counts those (exact) instead of parsing every event, when
+    the client asked for usage only at the end (vLLM's bench client, and
+    OpenAI clients by default)."""
+    from tokenflow.serve import streams
+
+    def no_parse(item):
+        raise AssertionError(f"an event was parsed: {item!r}")
+
+    monkeypatch.setattr(streams, "count_chunk", no_parse)
+    clock = [0.0]
+    tr = EngineTracker(clock=lambda: clock[0])
+    ids = iter(range(100, 200))
+
+    def chunk(n):
+        return _compact({"choices": [{"index": 0, "delta": {"content": "ab" * n}, "finish_reason": None,
+                                      "token_ids": [next(ids) for _ in range(n)]}]})
+
+    async def source():
+        yield [_compact({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "token_ids": []}], "prompt_token_ids": [1, 2]})]
+        for n in (1, 3, 2):
+            clock[0] += 0.05
+            yield [chunk(n), chunk(1)]
+        yield [_compact({"choices": [], "usage": {"completion_tokens": 9}})]
+
+    async def consume():
+        seen = []
+        async for _ in tracked(source(), tr, rate=10.0, stream=True, arrival=0.0):
+            seen.append(tr.tokens_total)
+        return seen
+
+    assert asyncio.run(consume()) == [0, 2, 6, 9, 9]  # every batch's ids, the usage at the end agreeing
 
 
 def test_readers_faster_than_a_stream_count_at_the_step_rate():

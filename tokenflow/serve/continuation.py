@@ -49,12 +49,11 @@ from tokenflow.core.config import (
     WAITED_KEY,
     stated_rate,
 )
+from tokenflow.serve.sse import TOKEN_IDS as _TOKEN_IDS
 from tokenflow.serve.sse import answer_over
 
-# Where vLLM (compact JSON) writes the ids. A quote inside a string is
-# escaped, so text cannot match; `"token_ids":[` is not inside the other.
+# Where vLLM (compact JSON) writes the prompt's ids; the answer's: _TOKEN_IDS.
 _PROMPT_IDS = '"prompt_token_ids":['
-_TOKEN_IDS = '"token_ids":['
 _ID = re.compile(r'"id":"([^"]*)"')
 _CREATED = re.compile(r'"created":(\d+)')
 

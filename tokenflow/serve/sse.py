@@ -3,10 +3,12 @@
 What the replica's generator yields (ray.serve.llm 2.60, LLMServer.chat and
 .completions): streaming responses as lists (one per ~50 ms batch) of SSE
 strings "data: {json}\\n\\n"; non-streaming ones as one response object
-with `.usage`; errors as an ErrorResponse object. Tokens are counted as one
-per content delta of choice 0 (a lower bound: a delta may hold several
-tokens) and corrected by `usage.completion_tokens` whenever a chunk carries
-it. The replica's stream tracker (streams.py) and the ingress's failover
+with `.usage`; errors as an ErrorResponse object. Tokens are counted from
+`usage.completion_tokens` when every chunk carries it, else from the
+chunks' token ids when the request asked for them (both exact, and read
+without parsing the events), else as one per content delta of choice 0
+(a lower bound: a delta may hold several tokens) corrected by the usage
+a chunk carries. The replica's stream tracker (streams.py) and the ingress's failover
 (failover.py) both read chunks through here.
 """
 
@@ -116,6 +118,38 @@ def count_chunk(item: Any) -> tuple[int, int | None]:
             usage = u if u is not None else usage
         return total, usage
     return 0, _usage_of(item)  # a whole (non-streaming) response, or an error
+
+
+# Where vLLM (compact JSON) writes a choice's generated token ids, when the
+# request asks for them (`return_token_ids`: TokenFlow's ingress asks for
+# every stream it can continue, continuation.py). A quote inside generated
+# text is escaped, so text cannot match; `"prompt_token_ids":[` does not
+# hold it either.
+TOKEN_IDS = '"token_ids":['
+
+
+def ids_in(item: Any) -> int | None:
+    """How many generated token ids a chunk (or a batch) carries, read from
+    the text without parsing it: the exact count of its tokens. None when
+    it carries none because the request did not ask for them."""
+    if isinstance(item, (list, tuple)):
+        total = None
+        for x in item:
+            if (n := ids_in(x)) is not None:
+                total = n if total is None else total + n
+        return total
+    if isinstance(item, bytes):
+        item = item.decode("utf-8", errors="replace")
+    if not isinstance(item, str) or TOKEN_IDS not in item:
+        return None
+    n, start = 0, 0
+    while (i := item.find(TOKEN_IDS, start)) >= 0:  # one per choice
+        i += len(TOKEN_IDS)
+        j = item.find("]", i)
+        if j > i:
+            n += item.count(",", i, j) + 1
+        start = j + 1
+    return n
 
 
 def latest_usage(item: Any) -> int | None:

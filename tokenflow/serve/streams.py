@@ -24,7 +24,7 @@ from collections import deque
 from typing import AsyncGenerator
 
 from tokenflow.core.buffer import ReaderBuffer
-from tokenflow.serve.sse import count_chunk, latest_usage, moved_event
+from tokenflow.serve.sse import count_chunk, ids_in, latest_usage, moved_event
 
 
 class Movable:
@@ -205,6 +205,8 @@ async def tracked(gen: AsyncGenerator, tracker: EngineTracker, *, rate: float, s
             usage = latest_usage(item) if use_usage else None
             if usage is not None:  # exact, and no event needs parsing
                 n = max(0, usage - counted)
+            elif use_usage and (ids := ids_in(item)) is not None:  # as exact, as cheap
+                n = ids
             else:
                 n, usage = count_chunk(item)
                 if use_usage and usage is not None and usage > counted + n:
