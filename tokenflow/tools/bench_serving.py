@@ -206,13 +206,15 @@ def by_role(procs: list[Proc], before: dict[int, float], after: dict[int, float]
 
 def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: float) -> list[dict]:
     """`requests` streaming answers at once. The bodies state no reading rate
-    (stock Ray Serve LLM knows none; TokenFlow assumes its default), as a
-    client that does not know TokenFlow sends them."""
+    (stock Ray Serve LLM knows none; TokenFlow assumes its default) and ask
+    for usage at the end only, as a client that does not know TokenFlow
+    sends them (vLLM's own benchmark client does)."""
     rate = 10000.0  # the client's reader model only: it reads as fast as tokens come
     bodies = []
     for i in range(requests):
         body = http_reader.chat_body(model, f"Tell the story of reader {i}.", max_tokens, rate)
         body.pop("consumption_rate")
+        body["stream_options"] = {"include_usage": True}
         bodies.append(body)
     return asyncio.run(http_reader.run_schedule(base_url, bodies, [rate] * requests, [0.0] * requests, timeout,
                                                 None, launcher.api_key_from_env()))
