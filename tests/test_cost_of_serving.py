@@ -34,6 +34,15 @@ MAX_OWN_CPU_RATIO = 2.5
 NO_BATCHING = {"experimental_configs": {"stream_batching_interval_ms": 0}}
 
 
+def test_a_stream_s_messages_are_its_tokens_arriving_together():
+    from tokenflow.tools.bench_serving import MESSAGE_GAP_S, messages
+
+    assert messages([]) == 0 and messages([1.0]) == 1
+    together = MESSAGE_GAP_S / 10
+    # three messages: two tokens at once, two more 50 ms later, one more
+    assert messages([0.0, together, 0.05, 0.05 + together, 0.1]) == 3
+
+
 def test_bench_serving_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--rounds", "0"], "--rounds"), (["--idle-s", "0"], "--idle-s"),
                       (["--app-args", "[1]"], "--app-args")):
@@ -77,6 +86,10 @@ def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
             rate = idle[row["app"]].get(role, 0.0)
             assert rate >= 0 and spent == pytest.approx(rate * row["wall_s"] + beyond[role] * row["tokens"] / 1000)
         assert row["own_cpu_s_per_1k_tokens_beyond_idle"] == pytest.approx(sum(beyond[k] for k in row["own_layers"]))
+        # ... and per message: at least one a stream, at most one a token
+        assert 24 <= row["messages"] <= row["tokens"], row
+        assert (row["own_cpu_s_per_1k_messages"] * row["messages"]
+                == pytest.approx(row["own_cpu_s_per_1k_tokens"] * row["tokens"]))
     print("\n" + r.stdout[-3500:])
     ratio = summary["ratios"]["median"]["own_cpu_per_token"]
     assert ratio <= MAX_OWN_CPU_RATIO, summary["ratios"]

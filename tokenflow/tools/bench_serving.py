@@ -28,6 +28,12 @@ layer costs per second (a lower bound of the time-based part: under load
 the same loops carry larger states). The first scales with a machine's
 token rate, the second does not.
 
+Ray Serve LLM sends a stream's tokens in messages, one per
+`stream_batching_interval_ms`, so a slower stream sends fewer tokens per
+message, and every layer a message crosses then costs more per token. The
+bench counts the messages as the client saw them (a stream's tokens that
+arrive together) and also reports our layers' CPU per message.
+
 OUT gets app.yaml (what was served), serve.log, summary.json.
 """
 
@@ -220,6 +226,19 @@ def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: fl
                                                 None, launcher.api_key_from_env()))
 
 
+# Ray Serve LLM sends a stream's tokens in messages, one per
+# `stream_batching_interval_ms` (50 ms by default) with whatever the engine
+# made meanwhile, so a layer's CPU per token follows the tokens per message,
+# i.e. how fast each stream goes. The client sees a message's tokens arrive
+# together: arrivals further apart than this start a new one.
+MESSAGE_GAP_S = 0.005
+
+
+def messages(arrivals: list[float]) -> int:
+    """How many messages one stream's token arrival times came in."""
+    return (1 + sum(b - a > MESSAGE_GAP_S for a, b in zip(arrivals, arrivals[1:]))) if arrivals else 0
+
+
 def idle_rates(procs: list[Proc], seconds: float) -> dict[str, dict[str, float]]:
     """Each app's CPU seconds per second by role while nothing streams."""
     before = cpu_seconds(procs)
@@ -254,6 +273,7 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
     per_1k = {k: 1000 * v / tokens if tokens else None for k, v in cpu.items()}
     own = sum(cpu[k] for k in OWN_LAYERS[app])
     load = beyond_idle(cpu, idle or {}, wall, tokens)
+    sent = sum(messages(r["arrivals_s"]) for r in ok)
     return {"app": app, "requests": requests, "failed": len(records) - len(ok), "tokens": tokens,
             "wall_s": wall, "output_throughput": tokens / (last - first) if last > first else 0.0,
             "median_ttft_ms": 1000 * percentile(ttfts, 0.5) if ttfts else None,
@@ -264,7 +284,10 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
             "own_layers": list(OWN_LAYERS[app]),
             "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None,
             "cpu_s_per_1k_tokens_beyond_idle": load,
-            "own_cpu_s_per_1k_tokens_beyond_idle": sum(load[k] for k in OWN_LAYERS[app]) if tokens else None}
+            "own_cpu_s_per_1k_tokens_beyond_idle": sum(load[k] for k in OWN_LAYERS[app]) if tokens else None,
+            # what a message costs, whatever it carries (MESSAGE_GAP_S)
+            "messages": sent, "tokens_per_message": tokens / sent if sent else None,
+            "own_cpu_s_per_1k_messages": 1000 * own / sent if sent else None}
 
 
 def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_tokens: int = 512, rounds: int = 3,
@@ -320,6 +343,8 @@ def ratios(rows: list[dict]) -> dict:
                                                   b["own_cpu_s_per_1k_tokens_beyond_idle"]),
             "all_cpu_per_token": _div(sum(a["cpu_s"].values()) / max(a["tokens"], 1),
                                       sum(b["cpu_s"].values()) / max(b["tokens"], 1)),
+            "tokens_per_message": _div(a["tokens_per_message"], b["tokens_per_message"]),
+            "own_cpu_per_message": _div(a["own_cpu_s_per_1k_messages"], b["own_cpu_s_per_1k_messages"]),
         })
     keys = per_round[0].keys() if per_round else ()
     med = {k: statistics.median([r[k] for r in per_round if r[k] is not None] or [float("nan")]) for k in keys}
@@ -346,6 +371,8 @@ def table(summary: dict) -> str:
         cells = [med(app, lambda r: r["cpu_s_per_1k_tokens"][role]) for app in (OURS, STOCK)]
         lines.append(f"| {role} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     for label, f in (("own layers", lambda r: r["own_cpu_s_per_1k_tokens"]),
+                     ("tokens per message", lambda r: r["tokens_per_message"]),
+                     ("own layers per 1,000 messages", lambda r: r["own_cpu_s_per_1k_messages"]),
                      ("output tokens/s", lambda r: r["output_throughput"]),
                      ("median TTFT (ms)", lambda r: r["median_ttft_ms"])):
         cells = [med(app, f) for app in (OURS, STOCK)]
