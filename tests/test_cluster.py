@@ -460,6 +460,36 @@ def test_a_tracked_stream_with_token_ids_counts_them_as_they_come_and_parses_no_
     assert asyncio.run(consume()) == [0, 2, 6, 9, 9]  # every batch's ids, the usage at the end agreeing
 
 
+def test_a_quiet_engine_pushes_only_to_stay_fresh_and_a_change_at_once(monkeypatch):
+    """An engine whose state has not changed pushes once half the staleness
+    bound has passed (each push wakes every ingress's long poll), so its
+    state never reaches a router stale; a changed state goes at the next
+    tick."""
+    from types import SimpleNamespace
+
+    from tokenflow.serve.routing import agent as agent_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(agent_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 1e9 + clock[0]))
+    monkeypatch.setattr(agent_mod.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    tracker = EngineTracker(clock=lambda: clock[0])
+    settings = RoutingSettings(push_interval_s=0.125, stale_after_s=0.5)
+    agent = agent_mod.EngineAgent(tracker, settings, KVPoolSettings(enabled=False), app_name="app", engine_id="e")
+    pushed = []
+    agent._router = SimpleNamespace(push=SimpleNamespace(remote=lambda state: pushed.append(clock[0])))
+
+    def ticks(first: int, last: int) -> None:  # the push loop, every push_interval_s
+        for k in range(first, last + 1):
+            clock[0] = k * settings.push_interval_s
+            asyncio.run(agent._push())
+
+    ticks(0, 8)
+    assert pushed == [0.0, 0.25, 0.5, 0.75, 1.0]  # quiet: every other tick, half the bound
+    tracker.open(10.0, True, clock[0])  # a request arrives: the state changed
+    ticks(9, 9)
+    assert pushed[-1] == 1.125
+
+
 def test_readers_faster_than_a_stream_count_at_the_step_rate():
     """A reader stating 10,000 tokens/s can get one token a step: the router
     must weigh it so, or the first engine to report such readers looks

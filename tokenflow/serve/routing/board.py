@@ -193,7 +193,7 @@ class StateBoard:
 class DetachedBoard(StateBoard):
     """The board as a detached actor. Once no engine has pushed to it and
     no ingress has polled it for `forget_after_s`, it removes itself. The
-    engines of a live app push at least every stale_after_s / 4 and its
+    engines of a live app push at least every stale_after_s / 2 and its
     ingresses poll every board of the app, one no engine pushes to
     included (board_shards above the engines' nodes), so only a board left
     behind (its app deleted, or redeployed with other router settings)
