@@ -136,7 +136,7 @@ def test_our_ingress_costs_what_stock_costs_per_message(tmp_path):
 
 def test_bench_ingress_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--streams", "0"], "--streams"), (["--tokens-per-message", "0"], "--tokens-per-message"),
-                      (["--gap-ms", "-1"], "--gap-ms")):
+                      (["--gap-ms", "-1"], "--gap-ms"), (["--app-args", "[1]"], "--app-args")):
         r = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-ingress", "--out", str(tmp_path),
                             *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "error" in r.stderr and msg in r.stderr, (args, r.stderr)

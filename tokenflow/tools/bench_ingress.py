@@ -272,13 +272,7 @@ def run(args) -> int:
     if not args.gap_ms >= 0:
         print("tokenflow bench-ingress: error: --gap-ms must be at least 0", file=sys.stderr)
         return 2
-    try:
-        app_args = json.loads(args.app_args)
-    except ValueError as e:
-        print(f"tokenflow bench-ingress: error: --app-args is not JSON: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(app_args, dict):
-        print("tokenflow bench-ingress: error: --app-args must be a JSON object", file=sys.stderr)
+    if (app_args := launcher.app_args_arg("bench-ingress", args.app_args)) is None:
         return 2
     if not port_free("127.0.0.1", args.port):
         print(f"tokenflow bench-ingress: error: port {args.port} is in use", file=sys.stderr)

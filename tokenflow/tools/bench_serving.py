@@ -435,13 +435,7 @@ def run(args) -> int:
         print("tokenflow bench-serving: error: --idle-s must be above 0", file=sys.stderr)
         return 2
 
-    try:
-        app_args = json.loads(args.app_args)
-    except ValueError as e:
-        print(f"tokenflow bench-serving: error: --app-args is not JSON: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(app_args, dict):
-        print("tokenflow bench-serving: error: --app-args must be a JSON object", file=sys.stderr)
+    if (app_args := launcher.app_args_arg("bench-serving", args.app_args)) is None:
         return 2
 
     def progress(row: dict) -> None:

@@ -42,6 +42,20 @@ def app_settings(config: str) -> dict:
     }
 
 
+def app_args_arg(command: str, text: str) -> dict | None:
+    """A bench's `--app-args` as a dict, or None after printing why it is
+    not one (the caller exits 2)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        print(f"tokenflow {command}: error: --app-args is not JSON: {e}", file=sys.stderr)
+        return None
+    if not isinstance(value, dict):
+        print(f"tokenflow {command}: error: --app-args must be a JSON object", file=sys.stderr)
+        return None
+    return value
+
+
 def api_key_from_env() -> str | None:
     """A key the app accepts when API keys are on (read from the same
     environment the app reads them from), so our own requests pass its guard."""
