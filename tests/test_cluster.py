@@ -490,6 +490,65 @@ def test_a_quiet_engine_pushes_only_to_stay_fresh_and_a_change_at_once(monkeypat
     assert pushed[-1] == 1.125
 
 
+def test_a_quiet_engine_polls_reports_and_samples_seldom_and_resumes_at_its_first_request(monkeypatch):
+    """With no request open and none since, the scheduler's summary, the
+    pool's counters and the metrics cannot have changed: a quiet engine
+    reads and sends them once per QUIET_REFRESH_S instead of every round,
+    and keeps its summary fresh meanwhile; a request brings every round
+    back."""
+    from types import SimpleNamespace
+
+    from tokenflow.serve.routing import agent as agent_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(agent_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 1e9 + clock[0]))
+    monkeypatch.setattr(agent_mod.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    calls = {"poll": 0, "report": 0, "sample": 0}
+
+    async def scheduler_state():
+        calls["poll"] += 1
+        return SimpleNamespace(offload=None, host_pool_blocks=0)
+
+    class Metrics:
+        def sample_streams(self, *a):
+            calls["sample"] += 1
+
+        def sample_scheduler(self, *a):
+            pass
+
+    async def reply():
+        return 0
+
+    tracker = EngineTracker(clock=lambda: clock[0])
+    agent = agent_mod.EngineAgent(tracker, RoutingSettings(), KVPoolSettings(), app_name="app", engine_id="e",
+                                  scheduler_state=scheduler_state, metrics=Metrics())
+
+    def report(engine_id, counters):
+        calls["report"] += 1
+        return reply()
+
+    agent._pool = SimpleNamespace(report=SimpleNamespace(remote=report))
+
+    def rounds(seconds: float) -> None:  # each loop at 0.5 s, as the scheduler poll goes
+        for _ in range(int(seconds / 0.5)):
+            clock[0] += 0.5
+            for step in (agent._poll, agent._report, agent._sample):
+                asyncio.run(step())
+            assert agent._fresh_sched() is not None  # the summary never goes stale
+
+    quiet = agent_mod.QUIET_REFRESH_S
+    rounds(4 * quiet)
+    assert all(n == 4 for n in calls.values()), calls  # once per QUIET_REFRESH_S, not 16 times
+    handle = tracker.open(10.0, True, clock[0])  # a request: every round reads again
+    rounds(2.0)
+    assert all(n == 8 for n in calls.values()), calls
+    tracker.add_tokens(handle, 5, clock[0])
+    tracker.close(handle, clock[0])
+    rounds(0.5)  # the round after it ended reads its last changes
+    rounds(quiet / 2)
+    assert all(n == 9 for n in calls.values()), calls
+
+
 def test_readers_faster_than_a_stream_count_at_the_step_rate():
     """A reader stating 10,000 tokens/s can get one token a step: the router
     must weigh it so, or the first engine to report such readers looks

@@ -96,6 +96,11 @@ class EngineTracker:
         self._window_tokens += n
         self.tokens_total += n  # exported as a counter by the agent's metrics sample
 
+    @property
+    def open_requests(self) -> int:
+        """Requests open now, streams and whole ones."""
+        return len(self._streams) + len(self._unary)
+
     def close(self, handle: int, now: float, status: str = "ok") -> None:
         """`status`: ok, error, cancelled or moved (for the finished-requests metric)."""
         reader = self._streams.pop(handle, None)

@@ -36,6 +36,11 @@ from tokenflow.serve.streams import EngineTracker
 logger = logging.getLogger("ray.serve")
 
 SCHEDULER_POLL_S = 0.5  # least interval between reads of the scheduler's summary
+# A quiet engine (no request open, none opened and no token sent since the
+# last read) has nothing new for the scheduler poll, the KV pool report or
+# the metrics sample: each is then made only this often (the pool takes a
+# report as a sign of life within its engine_ttl_s, 30 s by default).
+QUIET_REFRESH_S = 2.0
 
 
 class EngineAgent:
@@ -68,6 +73,8 @@ class EngineAgent:
         self._stopping = stopping or (lambda: False)
         self._left = False  # said so once
         self._boards: list | None = None  # the app's state boards, read to rebalance
+        # Per loop: the tracker's (requests, tokens) totals and the time when it last ran for real.
+        self._last_run: dict[str, tuple[tuple[int, int], float]] = {}
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
@@ -129,13 +136,32 @@ class EngineAgent:
         out["host_pool_blocks"] = sched.host_pool_blocks
         return out
 
+    def _quiet(self, loop: str) -> bool:
+        """Whether `loop` may skip this round: nothing has happened on this
+        engine since it last ran (no request open, none opened, no token
+        sent) and that was under QUIET_REFRESH_S ago. Else it runs, and this
+        round is noted as its last."""
+        t = self.tracker
+        totals, now = (t.received_total, t.tokens_total), time.monotonic()
+        last = self._last_run.get(loop)
+        if last is not None and last[0] == totals and not t.open_requests and now - last[1] < QUIET_REFRESH_S:
+            return True
+        self._last_run[loop] = (totals, now)
+        return False
+
     async def _poll(self) -> bool:
+        if self._quiet("scheduler poll") and self.sched is not None:
+            # Without a request the scheduler takes no step: its summary is
+            # as read, and still fresh.
+            self._sched_at = time.monotonic()
+            return True
         self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0)
         self._sched_at = time.monotonic()
         return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
 
     async def _sample(self) -> None:
-        self.sample_now()
+        if not self._quiet("metrics"):  # quiet: every gauge and counter stands as sampled
+            self.sample_now()
 
     def sample_now(self) -> None:
         """Gauges, buffer occupancy, tokens sent and the scheduler's counters, for Prometheus."""
@@ -227,7 +253,7 @@ class EngineAgent:
             ref = self._pool.register_engine.remote(self.engine_id)
             quota = await asyncio.wait_for(ref, timeout=30)
             logger.info(f"TokenFlow engine {self.engine_id}: host KV quota {quota} bytes on node {self.node_id}")
-        else:
+        elif not self._quiet("kv pool"):
             # Awaited (this loop is not the push loop), so an unreachable
             # pool counts as a failure of this loop.
             await asyncio.wait_for(self._pool.report.remote(self.engine_id, self.kv_counters()), timeout=30)
