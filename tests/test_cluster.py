@@ -460,14 +460,16 @@ def test_a_tracked_stream_with_token_ids_counts_them_as_they_come_and_parses_no_
     assert asyncio.run(consume()) == [0, 2, 6, 9, 9]  # every batch's ids, the usage at the end agreeing
 
 
-def test_a_quiet_engine_pushes_only_to_stay_fresh_and_a_change_at_once(monkeypatch):
-    """An engine whose state has not changed pushes once half the staleness
-    bound has passed (each push wakes every ingress's long poll), so its
-    state never reaches a router stale; a changed state goes at the next
-    tick."""
+def test_an_engine_pushes_what_a_router_acts_on_at_once_and_else_only_to_stay_fresh(monkeypatch):
+    """An engine pushes at the next tick when a count changes or its slack
+    moves by half a reader; a smaller drift (buffers growing in a steady
+    stream), or no change, waits until half the staleness bound has passed
+    (each push wakes every ingress's long poll), so its state never reaches
+    a router stale."""
     from types import SimpleNamespace
 
     from tokenflow.serve.routing import agent as agent_mod
+    from tokenflow.serve.routing.ranking import slack
 
     clock = [0.0]
     monkeypatch.setattr(agent_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 1e9 + clock[0]))
@@ -475,19 +477,41 @@ def test_a_quiet_engine_pushes_only_to_stay_fresh_and_a_change_at_once(monkeypat
     tracker = EngineTracker(clock=lambda: clock[0])
     settings = RoutingSettings(push_interval_s=0.125, stale_after_s=0.5)
     agent = agent_mod.EngineAgent(tracker, settings, KVPoolSettings(enabled=False), app_name="app", engine_id="e")
-    pushed = []
-    agent._router = SimpleNamespace(push=SimpleNamespace(remote=lambda state: pushed.append(clock[0])))
+    pushed, states = [], []
 
-    def ticks(first: int, last: int) -> None:  # the push loop, every push_interval_s
-        for k in range(first, last + 1):
-            clock[0] = k * settings.push_interval_s
-            asyncio.run(agent._push())
+    def push(state):
+        pushed.append(clock[0])
+        states.append(state)
 
-    ticks(0, 8)
+    agent._router = SimpleNamespace(push=SimpleNamespace(remote=push))
+
+    def tick(k: int) -> None:  # the push loop, every push_interval_s
+        clock[0] = k * settings.push_interval_s
+        asyncio.run(agent._push())
+
+    for k in range(9):
+        tick(k)
     assert pushed == [0.0, 0.25, 0.5, 0.75, 1.0]  # quiet: every other tick, half the bound
-    tracker.open(10.0, True, clock[0])  # a request arrives: the state changed
-    ticks(9, 9)
-    assert pushed[-1] == 1.125
+    reader = settings.rate  # a reader as the router weighs one
+    handle = tracker.open(reader, True, clock[0])  # a request arrives: a count changed
+    tick(9)
+    assert pushed[-1] == 1.125 and states[-1]["waiting"] == 1
+    tracker.add_tokens(handle, 20, clock[0])  # its first tokens: it runs
+    tick(10)
+    assert pushed[-1] == 1.25 and states[-1]["running"] == 1 and states[-1]["stalled"] == 0
+    half = settings.horizon_s / 2 * reader  # tokens: half a reader's slack over the horizon
+    tracker.add_tokens(handle, int(0.6 * half), clock[0])
+    tick(11)
+    assert pushed[-1] == 1.25  # a smaller drift waits
+    tracker.add_tokens(handle, int(0.6 * half), clock[0])
+    tick(12)
+    assert pushed[-1] == 1.5  # more than half a reader since the last push: at once
+    moved = slack(EngineState.from_dict(states[-1]), settings) - slack(EngineState.from_dict(states[-2]), settings)
+    assert moved >= settings.horizon_s / 2
+    tick(13)
+    assert pushed[-1] == 1.5
+    tick(14)
+    assert pushed[-1] == 1.75  # unchanged counts, small drift: half the bound after the last push
 
 
 def test_a_quiet_engine_polls_reports_and_samples_seldom_and_resumes_at_its_first_request(monkeypatch):

@@ -29,13 +29,16 @@ from tokenflow.core.sched_state import SchedulerState
 from tokenflow.serve import kv_pool
 from tokenflow.serve.routing import rebalance
 from tokenflow.serve.routing.board import get_board, shard_of
-from tokenflow.serve.routing.ranking import EngineState, RoutingSettings
+from tokenflow.serve.routing.ranking import EngineState, RoutingSettings, slack
 from tokenflow.serve.routing.relay import get_relay
 from tokenflow.serve.streams import EngineTracker
 
 logger = logging.getLogger("ray.serve")
 
 SCHEDULER_POLL_S = 0.5  # least interval between reads of the scheduler's summary
+# The state's counts that the routers must see as soon as they change
+# (EngineAgent._worth_pushing): what each request and each engine's size add.
+PUSH_AT_ONCE = ("running", "waiting", "unary", "stalled", "received_total", "slots")
 # A quiet engine (no request open, none opened and no token sent since the
 # last read) has nothing new for the scheduler poll, the KV pool report or
 # the metrics sample: each is then made only this often (the pool takes a
@@ -58,8 +61,7 @@ class EngineAgent:
         self._router = None
         self._pool = None
         self._last_push = None
-        self._last_content: dict | None = None  # the last pushed state, less its seq and time
-        self._last_push_at = -1e9
+        self._last_pushed: tuple | None = None  # (its counts, its slack, when) of the last state pushed
         self._tasks: list[asyncio.Task] = []
         # async () -> SchedulerState | None: the TokenFlow scheduler's state
         self._scheduler_state = scheduler_state
@@ -206,20 +208,35 @@ class EngineAgent:
                 self._left = True
             await self._router.forget.remote(self.engine_id)
             return False
-        state = self.state().to_dict()
-        # An engine whose state has not changed (idle, or between requests)
-        # pushes only to stay fresh: every push also wakes every ingress's
-        # long poll, which costs the board and the ingresses as much again.
-        # Once half the staleness bound: the state then reaches the routers
-        # less than half a bound plus a push interval old (0.3 s at the
-        # defaults: 0.2 s, and a long poll's wait), so a quiet engine stays
-        # fresh at half the pushes of a busy one.
-        content = {k: v for k, v in state.items() if k not in ("seq", "sent_at")}
-        now = time.monotonic()
-        if content == self._last_content and now - self._last_push_at < self.router_settings.stale_after_s / 2:
+        state = self.state()
+        if not self._worth_pushing(state, time.monotonic()):
             return None
-        self._last_content, self._last_push_at = content, now
-        self._last_push = self._router.push.remote(state)
+        self._last_push = self._router.push.remote(state.to_dict())
+
+    def _worth_pushing(self, st: EngineState, now: float) -> bool:
+        """Whether the routers must see this state now. Each push costs a
+        Ray call here and on the board, and wakes every ingress's long poll
+        (about a millisecond of CPU each on a small host), so a state goes
+        out when a router would act on it:
+        - a count changed (a request came or went, a reader stalled);
+        - its slack moved by half a reader of the router's rate over the
+          horizon or more: the router weighs each request it sends as one
+          such reader, so a smaller drift cannot move a burst's split by a
+          request (buffers growing in a steady stream move it slowly);
+        - half the staleness bound passed since the last push, so the
+          state never reaches a router stale (at half the pushes of a busy
+          engine when nothing changes).
+        Fields only people read (the scheduler's summary) go out with the
+        next push."""
+        s = self.router_settings
+        counts = tuple(getattr(st, k) for k in PUSH_AT_ONCE)
+        level = slack(st, s)
+        last = self._last_pushed
+        if (last is not None and counts == last[0] and abs(level - last[1]) < s.horizon_s / 2
+                and now - last[2] < s.stale_after_s / 2):
+            return False
+        self._last_pushed = (counts, level, now)
+        return True
 
     async def _rebalance(self) -> None:
         """One round of rebalance.py: move paused streams to less loaded

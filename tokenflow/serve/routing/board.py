@@ -1,6 +1,8 @@
 """The state board: one actor per Serve app, holding every engine's state.
 
-Engines push their state here every push interval (fire-and-forget); each
+Engines push their state here (fire-and-forget) at a push interval's tick
+when something a router acts on has changed, and at least every half
+staleness bound (agent.py: EngineAgent._worth_pushing); each
 ingress's request router long-polls for snapshots (`wait_snapshot` answers
 as soon as a push newer than the caller's last one arrives) and ranks
 locally (tokenflow/serve/routing/ranking.py), so no request ever waits on this actor and a
