@@ -52,7 +52,9 @@ class RoutingSettings(Settings):
 
     enabled: bool = Field(True, description="Route by buffer slack; false: Serve's default power-of-two-choices "
                                             "router.")
-    push_interval_s: Positive = Field(0.1, description="Each engine pushes its state this often (s).")
+    push_interval_s: Positive = Field(0.1, description="How often (s) each engine may push its state: at such a "
+                                      "tick when a count or its slack has moved enough to matter, else every "
+                                      "stale_after_s / 2.")
     stale_after_s: Positive = Field(0.3, description="State older than this (s) is stale: with a fresh peer, "
                                                      "that engine is still ranked by its last state and the "
                                                      "requests sent since until its state is twice this old, "
