@@ -283,8 +283,11 @@ def _choose_victim(base: str, http, live: list[dict], wholes: list, pins, pairs:
         if busy:
             return max(busy, key=lambda e: cuttable(e["engine_id"]) + e["unary"])
         time.sleep(0.05)
+    # Say how the whole requests ended: ones that failed fast (an error
+    # status) end the search as surely as ones that finished.
+    ended = [f.result().status_code if not f.exception() else repr(f.exception()) for f in wholes if f.done()]
     raise AssertionError(f"no engine held streams and whole requests at once "
-                         f"({polls} polls, slowest {slowest:.2f} s): {seen}")
+                         f"({polls} polls, slowest {slowest:.2f} s; whole requests ended: {ended}): {seen}")
 
 
 def _wait_engines(base: str, n: int, timeout: float, exclude=()) -> list[dict]:
