@@ -43,6 +43,28 @@ def test_a_stream_s_messages_are_its_tokens_arriving_together():
     assert messages([0.0, together, 0.05, 0.05 + together, 0.1]) == 3
 
 
+def test_the_idle_reading_waits_for_working_engines_and_says_when_they_never_stopped():
+    """bench-serving reads idle rates again while an engine's workers still
+    work (a warm-up's tail once read as stock's idle cost); real processes."""
+    from tokenflow.tools.bench_serving import OURS, STOCK, Proc, engines_idle, idle_rates
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        procs = [Proc(sleeper.pid, OURS, "replica"), Proc(sleeper.pid, STOCK, "replica"),
+                 Proc(sleeper.pid, OURS, "model_workers")]
+        rates, readings = idle_rates(procs, 0.3, tries=3)
+        assert readings == 1 and engines_idle(procs, rates), rates
+        busy = procs + [Proc(spinner.pid, STOCK, "model_workers")]
+        rates, readings = idle_rates(busy, 0.3, tries=3)
+        assert readings == 3 and not engines_idle(busy, rates), rates
+        assert rates[STOCK]["model_workers"] > 0.5 and rates[OURS]["model_workers"] < 0.1, rates
+    finally:
+        for p in (sleeper, spinner):
+            p.kill()
+            p.wait()
+
+
 def test_bench_serving_rejects_bad_arguments(tmp_path):
     for args, msg in ((["--rounds", "0"], "--rounds"), (["--idle-s", "0"], "--idle-s"),
                       (["--app-args", "[1]"], "--app-args")):
