@@ -514,6 +514,82 @@ def test_an_engine_pushes_what_a_router_acts_on_at_once_and_else_only_to_stay_fr
     assert pushed[-1] == 1.75  # unchanged counts, small drift: half the bound after the last push
 
 
+def test_a_quiet_engine_s_loops_sleep_until_due_and_wake_at_a_request(monkeypatch):
+    """While no request is open the push loop does not go round every push
+    interval (each round wakes the replica's event loop): it sleeps until
+    its push to stay fresh is due, and a request that opens wakes it, so its
+    count reaches the routers at once; while requests are open it goes
+    round every interval again. The scheduler poll and the metrics sample
+    sleep too, the summary staying fresh throughout. Real asyncio, real time."""
+    import time
+    from types import SimpleNamespace
+
+    from tokenflow.serve.routing import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    tracker = EngineTracker()
+    settings = RoutingSettings(push_interval_s=0.02, stale_after_s=1.0)  # fresh: a push every 0.5 s
+    polls, samples = [], []
+
+    async def scheduler_state():
+        polls.append(time.monotonic())
+        return SimpleNamespace(offload=None, host_pool_blocks=0, peak_step_rate=None, step_rate=None,
+                               decode_tps=0.0, router_summary=dict)
+
+    class Metrics:
+        def sample_streams(self, *a):
+            samples.append(time.monotonic())
+
+        def sample_scheduler(self, *a):
+            pass
+
+    agent = agent_mod.EngineAgent(tracker, settings, KVPoolSettings(enabled=False), app_name="app", engine_id="e",
+                                  scheduler_state=scheduler_state, metrics=Metrics())
+    rounds, pushed = [], []
+    push_round = agent._push
+
+    async def counted_push():
+        rounds.append(time.monotonic())
+        return await push_round()
+
+    agent._push = counted_push
+    agent._router = SimpleNamespace(push=SimpleNamespace(remote=lambda st: pushed.append((time.monotonic(), st))))
+
+    async def scenario():
+        agent.start()
+        t0 = time.monotonic()
+        stale = 0
+        for _ in range(60):  # 1.2 s quiet
+            await asyncio.sleep(0.02)
+            stale += agent._fresh_sched() is None and time.monotonic() - t0 > 0.1
+        quiet = len(rounds), [t - t0 for t, _ in pushed], len(polls), len(samples)
+        opened = time.monotonic()
+        handle = tracker.open(10.0, True, opened)  # a request opens
+        await asyncio.sleep(0.3)
+        tracker.close(handle, time.monotonic())
+        agent.stop()
+        return quiet, opened, stale
+
+    (quiet_rounds, quiet_pushes, quiet_polls, quiet_samples), opened, stale = asyncio.run(scenario())
+    # 1.2 s quiet: pushes at 0, 0.5 and 1.0 s and about as many rounds,
+    # not the 60 of a round per push interval
+    assert quiet_rounds <= 4 and len(quiet_pushes) == 3, (quiet_rounds, quiet_pushes)
+    assert all(0.5 <= b - a < 0.6 for a, b in zip(quiet_pushes, quiet_pushes[1:])), quiet_pushes
+    # woken at once (a sleeping loop's next round was 0.3 s away; 0.1 s
+    # leaves room for a busy machine)
+    woke = [(t - opened, st) for t, st in pushed if t >= opened]
+    assert woke and woke[0][0] < 0.1 and woke[0][1]["waiting"] == 1, woke[:1]
+    busy = [t for t in rounds if t >= opened]
+    assert len(busy) >= 5, len(busy)  # about every 0.02 s while the request is open
+    # quiet, the scheduler is called and the metrics sampled once per
+    # QUIET_REFRESH_S, the summary never stale meanwhile; once a request
+    # opens, each reads at its next round, within its interval (the sample
+    # was in its quiet wait: woken, at once)
+    assert quiet_polls == 1 and quiet_samples == 1 and stale == 0, (quiet_polls, quiet_samples, stale)
+    assert any(opened <= t < opened + agent.poll_interval_s + 0.02 for t in polls), polls
+    assert any(opened <= t < opened + 0.1 for t in samples), samples
+
+
 def test_a_quiet_engine_polls_reports_and_samples_seldom_and_resumes_at_its_first_request(monkeypatch):
     """With no request open and none since, the scheduler's summary, the
     pool's counters and the metrics cannot have changed: a quiet engine

@@ -1,9 +1,11 @@
 """The cluster side of one engine replica: push state, register with the node's KV pool.
 
-Runs as asyncio tasks on the replica's event loop. State pushes are
-fire-and-forget (`.remote()`, never awaited); the KV pool loop and the poll
-of the TokenFlow scheduler's own summary (an EngineCore utility call) await
-their replies but run apart from the pushes. No request ever waits on any.
+Runs as asyncio tasks on the replica's event loop; while no request is
+open, most loops go round seldom, and a request that opens wakes them
+(EngineAgent._pause). State pushes are fire-and-forget (`.remote()`, never
+awaited); the KV pool loop and the poll of the TokenFlow scheduler's own
+summary (an EngineCore utility call) await their replies but run apart
+from the pushes. No request ever waits on any.
 
 The pushed state is the replica's stream tracker (exact counts and rates;
 buffers from the chunks it sends) plus, when fresh, the scheduler's summary:
@@ -44,6 +46,14 @@ PUSH_AT_ONCE = ("running", "waiting", "unary", "stalled", "received_total", "slo
 # the metrics sample: each is then made only this often (the pool takes a
 # report as a sign of life within its engine_ttl_s, 30 s by default).
 QUIET_REFRESH_S = 2.0
+# While no request is open, a loop waits this long between rounds instead
+# of its interval, unless a request opens first (EngineAgent._pause): each
+# round wakes the replica's event loop, which costs far more than the
+# round's own work on a small VM (0.3 ms of CPU against 5 us for a push
+# round, docs/BENCHMARKS.md). The push loop waits until its next push to
+# stay fresh is due, and the scheduler poll two of its intervals (its quiet
+# round makes no call but keeps the summary fresh, which lapses after three).
+QUIET_WAIT = {"kv pool": QUIET_REFRESH_S, "metrics": QUIET_REFRESH_S, "rebalance": QUIET_REFRESH_S}
 
 
 class EngineAgent:
@@ -77,11 +87,15 @@ class EngineAgent:
         self._boards: list | None = None  # the app's state boards, read to rebalance
         # Per loop: the tracker's (requests, tokens) totals and the time when it last ran for real.
         self._last_run: dict[str, tuple[tuple[int, int], float]] = {}
+        # Quiet loops' waits, ended early when a request opens (_wake).
+        self._wakers: list[asyncio.Future] = []
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
         # worker process) never delays the state pushes.
-        loop = asyncio.get_running_loop()
+        loop = self._event_loop = asyncio.get_running_loop()
+        self.tracker.on_open = self._wake
         if self.router_settings.enabled:
             self._tasks.append(loop.create_task(
                 self._loop("push", self._push, self.router_settings.push_interval_s)))
@@ -275,6 +289,51 @@ class EngineAgent:
             # pool counts as a failure of this loop.
             await asyncio.wait_for(self._pool.report.remote(self.engine_id, self.kv_counters()), timeout=30)
 
+    def _wake(self) -> None:
+        """A request opened (EngineTracker.on_open): end the quiet waits now,
+        so its count is pushed at once and every loop is back at its pace.
+        Cheap while nothing waits; safe from another thread."""
+        if self._wakers and self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._release)
+
+    def _release(self) -> None:
+        wakers, self._wakers = self._wakers, []
+        for fut in wakers:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _quiet_wait(self, what: str, interval: float) -> float:
+        """How much longer `what`, which has slept its interval since its
+        last round, may wait while no request is open."""
+        if what == "push":
+            last = self._last_pushed
+            if last is None:
+                return 0.0
+            # until its next push to stay fresh (_worth_pushing), a hair after
+            return last[2] + self.router_settings.stale_after_s / 2 - time.monotonic() + 1e-3
+        if what == "scheduler poll":
+            return interval
+        return QUIET_WAIT.get(what, 0.0) - interval
+
+    async def _pause(self, what: str, interval: float) -> None:
+        """Between two rounds of a loop: its interval, and then, while no
+        request is open, up to its quiet wait more, or until one opens."""
+        await asyncio.sleep(interval)
+        if self.tracker.open_requests:
+            return
+        wait = self._quiet_wait(what, interval)
+        if wait <= 0:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._wakers.append(fut)
+        try:
+            await asyncio.wait_for(fut, wait)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._wakers:
+                self._wakers.remove(fut)
+
     async def _loop(self, what: str, step, interval: float, give_up_after: int | None = None) -> None:
         failures = 0
         while True:
@@ -296,7 +355,7 @@ class EngineAgent:
                     logger.warning(f"TokenFlow engine {self.engine_id}: {what} failed ({failures}x): {e!r}")
                 if give_up_after is not None and failures >= give_up_after:
                     return
-            await asyncio.sleep(interval)
+            await self._pause(what, interval)
 
     def stop(self) -> None:
         for task in self._tasks:
