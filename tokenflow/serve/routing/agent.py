@@ -71,7 +71,8 @@ class EngineAgent:
         self._router = None
         self._pool = None
         self._last_push = None
-        self._last_pushed: tuple | None = None  # (its counts, its slack, when) of the last state pushed
+        # (its counts and whether the scheduler's summary rode along, its slack, when) of the last state pushed
+        self._last_pushed: tuple | None = None
         self._tasks: list[asyncio.Task] = []
         # async () -> SchedulerState | None: the TokenFlow scheduler's state
         self._scheduler_state = scheduler_state
@@ -171,8 +172,11 @@ class EngineAgent:
             # as read, and still fresh.
             self._sched_at = time.monotonic()
             return True
+        first = self.sched is None
         self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0)
         self._sched_at = time.monotonic()
+        if first and self.sched is not None:
+            self._release()  # a quiet push loop pushes it now (_worth_pushing), not at its next round
         return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
 
     async def _sample(self) -> None:
@@ -232,7 +236,9 @@ class EngineAgent:
         Ray call here and on the board, and wakes every ingress's long poll
         (about a millisecond of CPU each on a small host), so a state goes
         out when a router would act on it:
-        - a count changed (a request came or went, a reader stalled);
+        - a count changed (a request came or went, a reader stalled), or
+          the scheduler's summary came or went (its first read after the
+          start: the engine's decode capacity, and what people look for);
         - its slack moved by half a reader of the router's rate over the
           horizon or more: the router weighs each request it sends as one
           such reader, so a smaller drift cannot move a burst's split by a
@@ -240,10 +246,10 @@ class EngineAgent:
         - half the staleness bound passed since the last push, so the
           state never reaches a router stale (at half the pushes of a busy
           engine when nothing changes).
-        Fields only people read (the scheduler's summary) go out with the
-        next push."""
+        Changes within the scheduler's summary (only people and the benches
+        read it) go out with the next push."""
         s = self.router_settings
-        counts = tuple(getattr(st, k) for k in PUSH_AT_ONCE)
+        counts = (*(getattr(st, k) for k in PUSH_AT_ONCE), st.scheduler is None)
         level = slack(st, s)
         last = self._last_pushed
         if (last is not None and counts == last[0] and abs(level - last[1]) < s.horizon_s / 2
@@ -315,11 +321,18 @@ class EngineAgent:
             return interval
         return QUIET_WAIT.get(what, 0.0) - interval
 
+    def _news(self) -> tuple:
+        t = self.tracker
+        return t.received_total, t.tokens_total, self.sched is None
+
     async def _pause(self, what: str, interval: float) -> None:
         """Between two rounds of a loop: its interval, and then, while no
-        request is open, up to its quiet wait more, or until one opens."""
+        request is open and nothing happened in that interval (a request
+        that came and went, the scheduler's first summary), up to its quiet
+        wait more, or until a request opens or the summary comes."""
+        news = self._news()
         await asyncio.sleep(interval)
-        if self.tracker.open_requests:
+        if self.tracker.open_requests or self._news() != news:
             return
         wait = self._quiet_wait(what, interval)
         if wait <= 0:
