@@ -60,9 +60,6 @@ class EngineTracker:
         self.peak_tps = 0.0
         self.slots: int | None = None  # the engine's max_num_seqs, once it runs (rebalance.py reads it)
         self.tokens_total = 0
-        # () -> None, told of each request opened (the engine agent's wake);
-        # it must be cheap and must not raise.
-        self.on_open = None
 
     def open(self, rate: float, stream: bool, arrival: float, carried: tuple[float, float] | None = None) -> int:
         """`carried`: (unread tokens, seconds since the client sent it) of a
@@ -75,8 +72,6 @@ class EngineTracker:
             self._streams[self._next] = ReaderBuffer(rate=rate, arrival_time=arrival)
         else:
             self._unary.add(self._next)
-        if self.on_open is not None:
-            self.on_open()
         return self._next
 
     def _tell(self, event: str, *args, **kwargs) -> None:

@@ -1,11 +1,9 @@
 """The cluster side of one engine replica: push state, register with the node's KV pool.
 
-Runs as asyncio tasks on the replica's event loop; while no request is
-open, most loops go round seldom, and a request that opens wakes them
-(EngineAgent._pause). State pushes are fire-and-forget (`.remote()`, never
-awaited); the KV pool loop and the poll of the TokenFlow scheduler's own
-summary (an EngineCore utility call) await their replies but run apart
-from the pushes. No request ever waits on any.
+Runs as asyncio tasks on the replica's event loop. State pushes are
+fire-and-forget (`.remote()`, never awaited); the KV pool loop and the poll
+of the TokenFlow scheduler's own summary (an EngineCore utility call) await
+their replies but run apart from the pushes. No request ever waits on any.
 
 The pushed state is the replica's stream tracker (exact counts and rates;
 buffers from the chunks it sends) plus, when fresh, the scheduler's summary:
@@ -46,14 +44,6 @@ PUSH_AT_ONCE = ("running", "waiting", "unary", "stalled", "received_total", "slo
 # the metrics sample: each is then made only this often (the pool takes a
 # report as a sign of life within its engine_ttl_s, 30 s by default).
 QUIET_REFRESH_S = 2.0
-# While no request is open, a loop waits this long between rounds instead
-# of its interval, unless a request opens first (EngineAgent._pause): each
-# round wakes the replica's event loop, which costs far more than the
-# round's own work on a small VM (0.3 ms of CPU against 5 us for a push
-# round, docs/BENCHMARKS.md). The push loop waits until its next push to
-# stay fresh is due, and the scheduler poll two of its intervals (its quiet
-# round makes no call but keeps the summary fresh, which lapses after three).
-QUIET_WAIT = {"kv pool": QUIET_REFRESH_S, "metrics": QUIET_REFRESH_S, "rebalance": QUIET_REFRESH_S}
 
 
 class EngineAgent:
@@ -71,8 +61,7 @@ class EngineAgent:
         self._router = None
         self._pool = None
         self._last_push = None
-        # (its counts and whether the scheduler's summary rode along, its slack, when) of the last state pushed
-        self._last_pushed: tuple | None = None
+        self._last_pushed: tuple | None = None  # (its counts, its slack, when) of the last state pushed
         self._tasks: list[asyncio.Task] = []
         # async () -> SchedulerState | None: the TokenFlow scheduler's state
         self._scheduler_state = scheduler_state
@@ -88,15 +77,11 @@ class EngineAgent:
         self._boards: list | None = None  # the app's state boards, read to rebalance
         # Per loop: the tracker's (requests, tokens) totals and the time when it last ran for real.
         self._last_run: dict[str, tuple[tuple[int, int], float]] = {}
-        # Quiet loops' waits, ended early when a request opens (_wake).
-        self._wakers: list[asyncio.Future] = []
-        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         # Two loops, so a slow pool registration (its actor may need a new
         # worker process) never delays the state pushes.
-        loop = self._event_loop = asyncio.get_running_loop()
-        self.tracker.on_open = self._wake
+        loop = asyncio.get_running_loop()
         if self.router_settings.enabled:
             self._tasks.append(loop.create_task(
                 self._loop("push", self._push, self.router_settings.push_interval_s)))
@@ -172,11 +157,8 @@ class EngineAgent:
             # as read, and still fresh.
             self._sched_at = time.monotonic()
             return True
-        first = self.sched is None
         self.sched = await asyncio.wait_for(self._scheduler_state(), timeout=2.0)
         self._sched_at = time.monotonic()
-        if first and self.sched is not None:
-            self._release()  # a quiet push loop pushes it now (_worth_pushing), not at its next round
         return self.sched is not None  # None: not a TokenFlow scheduler, nothing to poll
 
     async def _sample(self) -> None:
@@ -236,9 +218,7 @@ class EngineAgent:
         Ray call here and on the board, and wakes every ingress's long poll
         (about a millisecond of CPU each on a small host), so a state goes
         out when a router would act on it:
-        - a count changed (a request came or went, a reader stalled), or
-          the scheduler's summary came or went (its first read after the
-          start: the engine's decode capacity, and what people look for);
+        - a count changed (a request came or went, a reader stalled);
         - its slack moved by half a reader of the router's rate over the
           horizon or more: the router weighs each request it sends as one
           such reader, so a smaller drift cannot move a burst's split by a
@@ -246,10 +226,10 @@ class EngineAgent:
         - half the staleness bound passed since the last push, so the
           state never reaches a router stale (at half the pushes of a busy
           engine when nothing changes).
-        Changes within the scheduler's summary (only people and the benches
-        read it) go out with the next push."""
+        Fields only people read (the scheduler's summary) go out with the
+        next push."""
         s = self.router_settings
-        counts = (*(getattr(st, k) for k in PUSH_AT_ONCE), st.scheduler is None)
+        counts = tuple(getattr(st, k) for k in PUSH_AT_ONCE)
         level = slack(st, s)
         last = self._last_pushed
         if (last is not None and counts == last[0] and abs(level - last[1]) < s.horizon_s / 2
@@ -295,58 +275,6 @@ class EngineAgent:
             # pool counts as a failure of this loop.
             await asyncio.wait_for(self._pool.report.remote(self.engine_id, self.kv_counters()), timeout=30)
 
-    def _wake(self) -> None:
-        """A request opened (EngineTracker.on_open): end the quiet waits now,
-        so its count is pushed at once and every loop is back at its pace.
-        Cheap while nothing waits; safe from another thread."""
-        if self._wakers and self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self._release)
-
-    def _release(self) -> None:
-        wakers, self._wakers = self._wakers, []
-        for fut in wakers:
-            if not fut.done():
-                fut.set_result(None)
-
-    def _quiet_wait(self, what: str, interval: float) -> float:
-        """How much longer `what`, which has slept its interval since its
-        last round, may wait while no request is open."""
-        if what == "push":
-            last = self._last_pushed
-            if last is None:
-                return 0.0
-            # until its next push to stay fresh (_worth_pushing), a hair after
-            return last[2] + self.router_settings.stale_after_s / 2 - time.monotonic() + 1e-3
-        if what == "scheduler poll":
-            return interval
-        return QUIET_WAIT.get(what, 0.0) - interval
-
-    def _news(self) -> tuple:
-        t = self.tracker
-        return t.received_total, t.tokens_total, self.sched is None
-
-    async def _pause(self, what: str, interval: float) -> None:
-        """Between two rounds of a loop: its interval, and then, while no
-        request is open and nothing happened in that interval (a request
-        that came and went, the scheduler's first summary), up to its quiet
-        wait more, or until a request opens or the summary comes."""
-        news = self._news()
-        await asyncio.sleep(interval)
-        if self.tracker.open_requests or self._news() != news:
-            return
-        wait = self._quiet_wait(what, interval)
-        if wait <= 0:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._wakers.append(fut)
-        try:
-            await asyncio.wait_for(fut, wait)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            if fut in self._wakers:
-                self._wakers.remove(fut)
-
     async def _loop(self, what: str, step, interval: float, give_up_after: int | None = None) -> None:
         failures = 0
         while True:
@@ -368,7 +296,7 @@ class EngineAgent:
                     logger.warning(f"TokenFlow engine {self.engine_id}: {what} failed ({failures}x): {e!r}")
                 if give_up_after is not None and failures >= give_up_after:
                     return
-            await self._pause(what, interval)
+            await asyncio.sleep(interval)
 
     def stop(self) -> None:
         for task in self._tasks:
