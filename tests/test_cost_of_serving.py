@@ -53,11 +53,11 @@ def test_the_idle_reading_waits_for_working_engines_and_says_when_they_never_sto
     try:
         procs = [Proc(sleeper.pid, OURS, "replica"), Proc(sleeper.pid, STOCK, "replica"),
                  Proc(sleeper.pid, OURS, "model_workers")]
-        rates, readings = idle_rates(procs, 0.3, tries=3)
-        assert readings == 1 and engines_idle(procs, rates), rates
+        rates, readings, settled = idle_rates(procs, 0.3, tries=3)
+        assert readings == 1 and settled and engines_idle(procs, rates), rates
         busy = procs + [Proc(spinner.pid, STOCK, "model_workers")]
-        rates, readings = idle_rates(busy, 0.3, tries=3)
-        assert readings == 3 and not engines_idle(busy, rates), rates
+        rates, readings, settled = idle_rates(busy, 0.3, tries=3)
+        assert readings == 3 and not settled and not engines_idle(busy, rates), rates
         assert rates[STOCK]["model_workers"] > 0.5 and rates[OURS]["model_workers"] < 0.1, rates
     finally:
         for p in (sleeper, spinner):

@@ -257,18 +257,20 @@ def engines_idle(procs: list[Proc], rates: dict[str, dict[str, float]]) -> bool:
     return True
 
 
-def idle_rates(procs: list[Proc], seconds: float, tries: int = 6) -> tuple[dict[str, dict[str, float]], int]:
-    """Each app's CPU seconds per second by role while nothing streams, and
-    the readings it took: readings of `seconds` each until one finds every
-    engine idle (engines_idle), `tries` at most (the last one stands then)."""
+def idle_rates(procs: list[Proc], seconds: float,
+               tries: int = 6) -> tuple[dict[str, dict[str, float]], int, bool]:
+    """Each app's CPU seconds per second by role while nothing streams, the
+    readings it took, and whether the last found every engine idle: readings
+    of `seconds` each until one does (engines_idle), `tries` at most (the
+    last one stands then)."""
     for n in range(1, tries + 1):
         before = cpu_seconds(procs)
         time.sleep(seconds)
         after = cpu_seconds(procs)
         rates = {app: {k: v / seconds for k, v in by_role(procs, before, after, app).items()} for app in (OURS, STOCK)}
-        if engines_idle(procs, rates):
+        if settled := engines_idle(procs, rates):
             break
-    return rates, n
+    return rates, n, settled
 
 
 def beyond_idle(cpu: dict[str, float], idle: dict[str, float], wall: float, tokens: int) -> dict[str, float | None]:
@@ -332,8 +334,8 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
             burst(url, served.model, warmup, 32, timeout)
         procs = roles(served.proc.pid, our_name)
         time.sleep(1.0)  # the warm-up's tail settles
-        idle, idle_readings = idle_rates(procs, idle_s)
-        if not engines_idle(procs, idle):
+        idle, idle_readings, idle_settled = idle_rates(procs, idle_s)
+        if not idle_settled:
             print(f"tokenflow bench-serving: warning: the engines still worked after {idle_readings} idle readings; "
                   "the idle rates and the figures beyond them include that work", file=sys.stderr)
         for i in range(rounds):
@@ -351,7 +353,7 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
                             "app_args": app_args or {},
                             "method": "both apps in one serve run; each burst alone on the machine; per-process "
                                       "CPU time (user+system) read before and after it"},
-               "idle_cpu_s_per_s": idle, "idle_readings": idle_readings, "idle_engines_idle": engines_idle(procs, idle),
+               "idle_cpu_s_per_s": idle, "idle_readings": idle_readings, "idle_engines_idle": idle_settled,
                "rows": rows, "ratios": ratios(rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
