@@ -630,6 +630,34 @@ def test_a_crowded_engine_looks_fuller_than_its_twin():
     assert split_burst({"a": engine("a", 35, 100.0), "b": engine("b", 25, 100.0)}, 10, S) == {"a": 0, "b": 10}
 
 
+def test_an_engine_s_first_cold_steps_set_no_stream_cap():
+    """An engine's best step rate caps what each reader weighs there, so it
+    must not come from its first few steps: a start-up probe's three decode
+    steps ran cold at 7 steps/s on one engine (its twin had none), every
+    reader of the next burst weighed at most 7 tokens/s there, and the burst
+    of 165 readers split 116/50 onto it (`tokenflow bench-app
+    --record-routing`, docs/BENCHMARKS.md)."""
+    from tokenflow.core.meters import EngineMeters
+
+    m = EngineMeters.new()
+    for _ in range(3):
+        m.on_step(0.145, 1, 0)  # cold
+    assert m.step_rate.value == pytest.approx(6.9, rel=0.01) and m.peak_step_rate == 0.0
+    for _ in range(7):
+        m.on_step(0.005, 1, 0)  # warm, but the mean still leans on the cold start
+    assert m.peak_step_rate == 0.0
+    for _ in range(20):
+        m.on_step(0.005, 1, 0)
+    assert m.peak_step_rate > 150.0
+    S = RoutingSettings(capacity_tps=1000.0)
+    rates = [10.0, 20.0, 40.0, 10.0, 20.0, 10.0, 10.0, 20.0, 40.0, 10.0] * 16
+    cold_cap = {"a": EngineState(engine_id="a", stream_tps=6.9), "b": EngineState(engine_id="b")}
+    assert split_burst(cold_cap, len(rates), S, rates)["a"] > 2 * len(rates) / 3  # the herd it avoids
+    unknown = {"a": EngineState(engine_id="a"), "b": EngineState(engine_id="b")}
+    split = split_burst(unknown, len(rates), S, rates)
+    assert abs(split["a"] - split["b"]) <= 2, split
+
+
 def test_slow_readers_in_flight_weigh_what_they_will_once_reported():
     """A burst of readers stating 2 tokens/s: engine a has reported its
     first 20 (each 2/40 of a default reader), twin b's 20 are in flight.

@@ -20,9 +20,19 @@ from dataclasses import dataclass, field
 class Ewma:
     alpha: float = 0.2
     value: float | None = None
+    count: int = 0  # samples added
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+    @property
+    def settled(self) -> bool:
+        """Whether the first sample weighs under a tenth of the value (11
+        samples at alpha 0.2). Before that the value is mostly its first
+        samples, and an engine's first steps run cold: the few decode steps
+        of a start-up probe, at 7 steps/s where warm steps ran 190."""
+        return (1.0 - self.alpha) ** self.count < 0.1
 
 
 # Token counts are scaled so the fit's columns have like magnitudes.
@@ -130,7 +140,7 @@ class EngineMeters:
     fit: StepCostFit
     max_decode_batch: int = 0  # largest decode batch seen
     peak_decode_tps: float = 0.0  # best smoothed decode_tps seen
-    peak_step_rate: float = 0.0  # best smoothed step_rate seen: the most one request gets here
+    peak_step_rate: float = 0.0  # best settled step_rate seen: the most one request gets here; 0: not yet
 
     @classmethod
     def new(cls) -> "EngineMeters":
@@ -144,7 +154,8 @@ class EngineMeters:
         self.fit.add(seconds, decode_tokens, prefill_tokens, starts)
         if decode_tokens:
             self.step_rate.add(1.0 / seconds)
-            self.peak_step_rate = max(self.peak_step_rate, self.step_rate.value)
+            if self.step_rate.settled:
+                self.peak_step_rate = max(self.peak_step_rate, self.step_rate.value)
             self.max_decode_batch = max(self.max_decode_batch, decode_tokens)
             if not prefill_tokens:
                 self.decode_tps.add(decode_tokens / seconds)

@@ -117,8 +117,12 @@ class EngineAgent:
         self.seq += count
         sched = self._fresh_sched()
         # What one stream can get here at any load (SchedulerState.peak_step_rate);
-        # it moves slowly: the last one read serves even when not fresh.
-        cap = (self.sched.peak_step_rate or self.sched.step_rate) if self.sched is not None else None
+        # it moves slowly: the last one read serves even when not fresh. None
+        # until the engine has settled on one: not the step rate now, which a
+        # few cold steps or a crowded batch hold far below it, so that every
+        # reader sent here would weigh next to nothing and a burst would herd
+        # here (docs/BENCHMARKS.md).
+        cap = self.sched.peak_step_rate if self.sched is not None else None
         st = EngineState(engine_id=self.engine_id, node_id=self.node_id, replica=self.replica, pid=os.getpid(),
                          seq=self.seq, sent_at=time.time(), stream_tps=cap, **self.tracker.state(rate_cap=cap))
         if sched is not None:
