@@ -112,7 +112,9 @@ def test_our_layers_cost_per_token_beside_stock_ray_serve_llm(tmp_path):
         assert 24 <= row["messages"] <= row["tokens"], row
         assert (row["own_cpu_s_per_1k_messages"] * row["messages"]
                 == pytest.approx(row["own_cpu_s_per_1k_tokens"] * row["tokens"]))
+        assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"], row
     print("\n" + r.stdout[-3500:])
+    assert summary["ratios"]["median"]["p99_ttft"] > 0, summary["ratios"]
     ratio = summary["ratios"]["median"]["own_cpu_per_token"]
     assert ratio <= MAX_OWN_CPU_RATIO, summary["ratios"]
     with socket.socket() as sock:  # the app is gone
