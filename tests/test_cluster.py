@@ -632,11 +632,12 @@ def test_a_crowded_engine_looks_fuller_than_its_twin():
 
 def test_an_engine_s_first_cold_steps_set_no_stream_cap():
     """An engine's best step rate caps what each reader weighs there, so it
-    must not come from its first few steps: a start-up probe's three decode
-    steps ran cold at 7 steps/s on one engine (its twin had none), every
-    reader of the next burst weighed at most 7 tokens/s there, and the burst
-    of 165 readers split 116/50 onto it (`tokenflow bench-app
-    --record-routing`, docs/BENCHMARKS.md)."""
+    must not come from its first few steps: the first decode steps of a
+    burst, cold and carrying most of its prefills, ran at 7 steps/s on one
+    engine while its twin had none yet, every later reader of the burst
+    weighed at most 7 tokens/s there, and the burst of 165 readers split
+    115/50 onto it (`tokenflow bench-app --record-routing`,
+    docs/BENCHMARKS.md)."""
     from tokenflow.core.meters import EngineMeters
 
     m = EngineMeters.new()

@@ -30,8 +30,9 @@ class Ewma:
     def settled(self) -> bool:
         """Whether the first sample weighs under a tenth of the value (11
         samples at alpha 0.2). Before that the value is mostly its first
-        samples, and an engine's first steps run cold: the few decode steps
-        of a start-up probe, at 7 steps/s where warm steps ran 190."""
+        samples, and an engine's first decode steps run cold and crowded (a
+        burst's first steps also prefill most of it): 7 steps/s, where the
+        same engine's warm steps later ran 138."""
         return (1.0 - self.alpha) ** self.count < 0.1
 
 
