@@ -28,12 +28,12 @@ class Ewma:
 
     @property
     def settled(self) -> bool:
-        """Whether the first sample weighs under a tenth of the value (11
+        """Whether the first sample weighs under a tenth of the value (12
         samples at alpha 0.2). Before that the value is mostly its first
         samples, and an engine's first decode steps run cold and crowded (a
         burst's first steps also prefill most of it): 7 steps/s, where the
         same engine's warm steps later ran 138."""
-        return (1.0 - self.alpha) ** self.count < 0.1
+        return self.count > 0 and (1.0 - self.alpha) ** (self.count - 1) < 0.1
 
 
 # Token counts are scaled so the fit's columns have like magnitudes.

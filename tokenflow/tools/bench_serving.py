@@ -369,7 +369,7 @@ def ratios(rows: list[dict]) -> dict:
             "output_throughput": _div(a["output_throughput"], b["output_throughput"]),
             "median_ttft": _div(a["median_ttft_ms"], b["median_ttft_ms"]),
             # Serve's default router can put more of a burst on one engine
-            # than it has slots; those requests wait for a whole answer.
+            # than it has slots; those requests wait for its answers to end.
             "p99_ttft": _div(a["p99_ttft_ms"], b["p99_ttft_ms"]),
             "own_cpu_per_token": _div(a["own_cpu_s_per_1k_tokens"], b["own_cpu_s_per_1k_tokens"]),
             "own_cpu_per_token_beyond_idle": _div(a["own_cpu_s_per_1k_tokens_beyond_idle"],
