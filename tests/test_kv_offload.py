@@ -342,8 +342,9 @@ def test_resumes_the_policy_prices_as_recompute_are_recomputed(baseline):
     # Price every reload above its prefill (as a slow bus would): released
     # requests come back by recompute although the host pool holds their KV.
     def recompute_always(sched):
-        real = sched.policy.resume_mode
-        sched.policy.resume_mode = lambda r, eng: "recompute" if real(r, eng) else None
+        # Every released request the host holds any of, whenever a transfer
+        # speed is known (the policy weighs nothing before).
+        sched.policy.recomputes = lambda cols, rows, eng: (cols.host_blocks[rows] != 0) & bool(eng.transfer_tps)
 
     run = run_burst(kv_transfer_config(host_pool_bytes=64 << 20), patch=recompute_always)
     assert run.stats.pauses_release > 0 and run.counters.blocks_stored > 0

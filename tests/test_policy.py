@@ -4,6 +4,7 @@ and invariants over random populations (hypothesis)."""
 import math
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,10 +22,17 @@ from tokenflow.core.policy import (
     SENT_AHEAD,
     EngineView,
     Phase,
+    RequestColumns,
     RequestView,
     TokenFlowPolicy,
 )
 from tokenflow.tools.bench_policy import population
+
+
+def ranked(policy, views, eng, share=0.5, budget=0.0, work_end=0.0):
+    """The ids of `views` as rank() orders them, given in that order."""
+    cols = RequestColumns.of(views)
+    return [cols.ids[i] for i in policy.rank(cols, np.arange(len(views)), eng, share, budget, work_end)]
 
 
 def burst_engine(policy_name="tokenflow", n_old=4, step_rate=50.0):
@@ -172,11 +180,11 @@ def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
     assert policy.rank_key(slow, eng, d.swap_share, d.work_end_s)[0] == OUTLASTS
     # Of two readers who read on past the work, the one reading on longer first.
     medium = RequestView("medium", Phase.PAUSED, 0.0, 10.0, 300.0, 100, 1000, 116, 8, False, host_blocks=7)
-    assert [r.req_id for r in policy.rank([fast, medium, slow], eng, d.swap_share, budget=0.0, work_end=10.0)] \
+    assert ranked(policy, [fast, medium, slow], eng, d.swap_share, budget=0.0, work_end=10.0) \
         == ["slow", "medium", "fast"]
     # Without a measure of capacity there is no work end: U alone ranks, and
     # the running reader keeps its slot (its swap would cost the batch).
-    assert [r.req_id for r in policy.rank([fast, slow], eng, d.swap_share)] == ["fast", "slow"]
+    assert ranked(policy, [fast, slow], eng, d.swap_share) == ["fast", "slow"]
 
 
 def test_readers_about_to_stall_buy_guarded_places_within_the_swap_budget():
@@ -371,26 +379,28 @@ def tied_populations(draw):
 @settings(max_examples=300, deadline=None)
 @given(tied_populations(), st.sampled_from([0.0, 5.0, 100.0]))
 def test_rank_key_is_the_papers_rules(pop, work_end):
+    """The key over all rows at once equals the rules applied to each
+    request alone (the value to within numpy's exp, an ulp from math's)."""
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
     expected = [reference_key(cfg, r, eng, work_end=work_end) for r in reqs]
-    assert [policy.rank_key(r, eng, work_end=work_end) for r in reqs] == expected
-    # rank()'s one pass over the whole list puts each request where its key says.
-    tiers = policy.tiers(reqs, eng, work_end=work_end)
-    for tier, members in enumerate(tiers):
-        assert [(v, r.req_id) for v, r in members] == [
-            (key[1], r.req_id) for r, key in zip(reqs, expected) if key[0] == tier]
+    keys = policy.keys(RequestColumns.of(reqs), eng, work_end=work_end)
+    assert keys.tier.tolist() == [tier for tier, _ in expected]
+    assert keys.value.tolist() == pytest.approx([value for _, value in expected], rel=1e-12, abs=1e-12)
+    assert [policy.rank_key(r, eng, work_end=work_end) for r in reqs] == \
+        [(int(t), float(v)) for t, v in zip(keys.tier, keys.value)]
 
 
-def reference_room(policy, keep, resume, guard, costs, budget, eng):
+def reference_room(policy, cols, keep, held, costs, resume, budget, eng):
     """room_beside_guard() written plainly: pack everyone again each time
     the guarded reader of lowest U gives up its place."""
-    held = sorted(zip(guard, costs), key=lambda g: g[0][0])
+    held, costs = list(held), list(costs)
     while True:
-        room = {id(r) for r in policy.pack(keep + [g[0][1] for g in held] + resume, eng)}
-        if not held or all(id(r) in room for r in resume) or held[-1][1] > budget:
-            return {id(r) for r in resume} & room
-        budget -= held.pop()[1]
+        room = set(policy.pack(cols, np.array(keep + held + resume, dtype=np.intp), eng).tolist())
+        if not held or all(r in room for r in resume) or costs[-1] > budget:
+            return [r in room for r in resume]
+        held.pop()
+        budget -= costs.pop()
 
 
 @settings(max_examples=300, deadline=None)
@@ -398,11 +408,18 @@ def reference_room(policy, keep, resume, guard, costs, budget, eng):
 def test_room_beside_the_guard_is_one_pack_of_the_plain_loop(pop, share, budget):
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
-    costs = []
-    keep, resume, guard, *_ = policy.tiers(reqs, eng, share, costs)
-    keep, resume = ([r for _, r in sorted(t, key=lambda p: p[0])] for t in (keep, resume))
-    assert policy.room_beside_guard(keep, resume, guard, costs, budget, eng) == \
-        reference_room(policy, keep, resume, guard, costs, budget, eng)
+    cols = RequestColumns.of(reqs)
+    k = policy.keys(cols, eng, share)
+
+    def tier(t):  # rows of a tier, lowest value first
+        rows = np.flatnonzero(k.tier == t)
+        return rows[np.argsort(k.value[rows], kind="stable")].tolist()
+
+    keep, held, resume = tier(KEEP_RUNNING), tier(GUARDED), tier(MUST_RESUME)
+    costs = k.cost[held].tolist()
+    need = policy.needs(cols, np.arange(len(reqs)), eng)
+    assert policy.room_beside_guard(need[keep].tolist(), need[held].tolist(), costs, need[resume].tolist(),
+                                    budget, eng) == reference_room(policy, cols, keep, held, costs, resume, budget, eng)
 
 
 def check_follows_rank(policy, reqs, eng):
@@ -416,8 +433,8 @@ def check_follows_rank(policy, reqs, eng):
     newcomers = sorted((r for r in reqs if r.phase is Phase.WAITING and r.req_id in chosen),
                        key=lambda r: r.arrival_time)
     candidates = [r for r in reqs if r.phase is not Phase.WAITING] + newcomers
-    ranked = [r.req_id for r in policy.rank(candidates, eng, d.swap_share, d.swap_budget, d.work_end_s)]
-    assert d.order == [i for i in ranked if i in chosen]
+    order = ranked(policy, candidates, eng, d.swap_share, d.swap_budget, d.work_end_s)
+    assert d.order == [i for i in order if i in chosen]
     by_id = {r.req_id: r for r in reqs}
     released = [by_id[i].buffer_s for i in d.pause_release if by_id[i].kv_resident]
     held = [by_id[i].buffer_s for i in d.pause_hold]
@@ -537,12 +554,12 @@ def test_bench_policy_against_another_policy_module(tmp_path):
     row = compare(this.__file__, n=400, rounds=2, per_round=1)
     assert row["same_decision"] and row["this_median_ms"] > 0 and row["other_median_ms"] > 0
     changed = tmp_path / "policy.py"
-    changed.write_text(open(this.__file__).read().replace("keep.append((b / rate, r))", "keep.append((-b / rate, r))"))
+    changed.write_text(open(this.__file__).read().replace("value[must] = (b / rate)[must]", "value[must] = (-b / rate)[must]"))
     assert compare(str(changed), n=400, rounds=2, per_round=1)["same_decision"] is False
     # The stalling population: readers at their resume level buy guarded
     # places; a policy that stops after the first decides differently.
     stingy = tmp_path / "stingy.py"
-    stingy.write_text(open(this.__file__).read().replace("budget -= held[m][1]", "budget = -1.0"))
+    stingy.write_text(open(this.__file__).read().replace("budget -= costs[m]", "budget = -1.0"))
     assert compare(this.__file__, n=100, rounds=2, per_round=1, population_name="stalling")["same_decision"]
     assert compare(str(stingy), n=100, rounds=2, per_round=1, population_name="stalling")["same_decision"] is False
     out = subprocess.run([sys.executable, "-m", "tokenflow.tools.cli", "bench-policy", "--against", "/no/such.py"],

@@ -13,7 +13,7 @@ density); running requests get a bonus (1.5x) to limit churn.
 from __future__ import annotations
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView
+from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestColumns, RequestView
 
 
 class AndesPolicy:
@@ -23,8 +23,10 @@ class AndesPolicy:
     def needs_decision(self, q: QueueCounts) -> bool:
         return True  # Andes' own trigger (KV use) is in decide()
 
-    def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
+    def decide(self, reqs: RequestColumns | list[RequestView], eng: EngineView) -> Decision | None:
         cfg = self.cfg
+        if isinstance(reqs, RequestColumns):  # the scheduler's snapshot: Andes reads requests one by one
+            reqs = reqs.views()
         used = eng.total_blocks - eng.free_blocks
         waiting = any(r.phase == Phase.WAITING for r in reqs)
         paused = any(r.phase == Phase.PAUSED for r in reqs)

@@ -1,4 +1,7 @@
-"""The TokenFlow scheduling policy (paper, "The scheduler"). Pure Python.
+"""The TokenFlow scheduling policy (paper, "The scheduler"). Pure Python and
+numpy: it decides over every live request at once, as columns
+(tokenflow/core/columns.py), so a decision costs a few dozen array
+operations whatever the number of requests.
 
 Given a snapshot of every live request and of the engine, decide which
 requests hold the accelerator for the next interval: which keep running,
@@ -55,16 +58,19 @@ Steps, as in the paper:
  6. Resume mode: reload from host when its I/O time is below the prefill
     time of the context, else recompute.
 """
-
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
-from operator import attrgetter, itemgetter
+from operator import itemgetter
+
+import numpy as np
 
 from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
+from tokenflow.core.columns import PAUSED, RUNNING, WAITING, Phase, RequestColumns, RequestView
 from tokenflow.core.config import TokenFlowConfig
+
+__all__ = ["Decision", "EngineView", "Phase", "QueueCounts", "RequestColumns", "RequestView", "TokenFlowPolicy"]
 
 # The rank key's first element (step 4 before step 5): requests that must run
 # sort first, incumbents before the paused, each by lowest buffer; the rest
@@ -75,36 +81,28 @@ GUARDED = 2  # running past the pause level, not yet past the swap's share: rank
 BY_PRIORITY = 3
 OUTLASTS = 4  # a reader above its resume level who reads on past the work in hand: most reading past it first
 SENT_AHEAD = 5  # a reader above its resume level who finishes reading within the work in hand: by U, last
-_VALUE, _REQUEST = itemgetter(0), itemgetter(1)  # of a tier's (value, request) pair
-_ARRIVAL = attrgetter("arrival_time")
 
 
-class Phase(str, Enum):
-    WAITING = "waiting"  # not admitted yet (new, or released and queued)
-    RUNNING = "running"
-    PAUSED = "paused"  # parked by us; `kv_resident` says whether it kept its KV
+def _columns(reqs: RequestColumns | list[RequestView]) -> RequestColumns:
+    return reqs if isinstance(reqs, RequestColumns) else RequestColumns.of(reqs)
 
 
-@dataclass(slots=True)  # slots: the policy reads these fields in its hot loop
-class RequestView:
-    req_id: str
-    phase: Phase
-    arrival_time: float
-    rate: float  # reader's tokens/s
-    buffer_tokens: float  # delivered but unread now
-    num_output: int  # tokens generated so far
-    max_tokens: int
-    num_tokens: int  # context length: prompt + generated
-    blocks: int  # KV blocks it needs resident to run
-    kv_resident: bool = False  # its blocks are on the accelerator now
-    host_blocks: int = 0  # of its blocks, how many the host tier holds
-    # Its reader has begun and reads from its buffer while it waits: a
-    # stream continued from a lost engine, or one vLLM preempted.
-    reading: bool = False
+def _in_order(*keys: np.ndarray) -> np.ndarray:
+    """Positions sorted by the first key, then the next...: a stable sort
+    (np.lexsort takes its primary key last and keeps ties in place)."""
+    return np.lexsort(keys[::-1])
 
-    @property
-    def buffer_s(self) -> float:
-        return self.buffer_tokens / self.rate
+
+def _pick(ids: list[str], rows: np.ndarray) -> list[str]:
+    """The ids of `rows`, in their order."""
+    rows = rows.tolist()
+    return list(itemgetter(*rows)(ids)) if len(rows) > 1 else [ids[i] for i in rows]
+
+
+def _sum(x: np.ndarray) -> float:
+    """Summed in order, as a loop would (numpy's sum pairs terms: another
+    rounding, and a comparison at the edge could flip)."""
+    return float(np.cumsum(x)[-1]) if len(x) else 0.0
 
 
 @dataclass
@@ -189,8 +187,8 @@ class Levels:
 class Pool:
     """What one pass over the live requests tells the policy."""
 
-    waiting: list[RequestView]  # in the order given
-    active: list[RequestView]  # running or paused, in the order given
+    waiting: np.ndarray  # rows of the waiting requests, in the order given
+    active: np.ndarray  # rows of the running and paused, in the order given
     required: float  # the active readers' rates, summed
     n_running: int
     blocks: int  # KV blocks of all requests, summed
@@ -198,29 +196,23 @@ class Pool:
     waiting_blocks: int  # KV blocks the waiting requests need to start
     tokens_left: int  # output tokens all of them have still to generate
 
+    @property
+    def n_active(self) -> int:
+        return len(self.active)
 
-def survey(reqs: list[RequestView], rate_cap: float = math.inf) -> Pool:
-    """Split and count the requests in one pass (it runs over every live
-    request each interval that has something waiting or paused). A reader
-    needs at most `rate_cap` tokens/s (what one running request gets): one
-    that states more is served at that speed whatever it states."""
-    waiting, active = [], []
-    required, n_running, blocks, waiting_blocks, left = 0.0, 0, 0, 0, 0
-    waiting_phase, running = Phase.WAITING, Phase.RUNNING  # locals: this loop is hot
-    for r in reqs:
-        blocks += r.blocks
-        left += r.max_tokens - r.num_output
-        phase = r.phase
-        if phase is waiting_phase:
-            waiting.append(r)
-            waiting_blocks += r.blocks
-            continue
-        active.append(r)
-        rate = r.rate
-        required += rate if rate < rate_cap else rate_cap
-        if phase is running:
-            n_running += 1
-    return Pool(waiting, active, required, n_running, blocks, blocks - waiting_blocks, waiting_blocks, left)
+
+def survey(reqs: RequestColumns, rate_cap: float = math.inf) -> Pool:
+    """Split and count the requests (it runs over every live request each
+    interval that has something waiting or paused). A reader needs at most
+    `rate_cap` tokens/s (what one running request gets): one that states
+    more is served at that speed whatever it states."""
+    waiting = reqs.phase == WAITING
+    active = np.flatnonzero(~waiting)
+    blocks = int(reqs.blocks.sum())
+    waiting_blocks = int(reqs.blocks[waiting].sum())
+    return Pool(np.flatnonzero(waiting), active, _sum(np.minimum(reqs.rate[active], rate_cap)),
+                int(np.count_nonzero(reqs.phase == RUNNING)), blocks, blocks - waiting_blocks, waiting_blocks,
+                int((reqs.max_tokens - reqs.num_output).sum()))
 
 
 @dataclass(slots=True)
@@ -261,10 +253,10 @@ def fitting_capacity(pool: Pool, eng: EngineView, kv_headroom: float) -> float |
     plus a block of growth), at the measured step cost of a batch that
     size. Long answers fill KV long before the slots run out, and then the
     best decode rate seen (short contexts, every slot busy) overstates it."""
-    if not pool.active:
+    if not pool.n_active:
         return None
     usable = eng.total_blocks - headroom_blocks(kv_headroom, eng.total_blocks)
-    footprint = pool.active_blocks / len(pool.active) + 1
+    footprint = pool.active_blocks / pool.n_active + 1
     k = max(1, min(eng.max_num_seqs, int(usable // footprint)))
     if eng.step_cost is not None:
         base, per_token = eng.step_cost
@@ -287,46 +279,59 @@ def swap_share(required: float, capacity: float | None) -> float:
     return spare / 2 if spare > 0.0 else 0.0
 
 
-def fcfs_decision(reqs: list[RequestView]) -> Decision:
+def fcfs_decision(reqs: RequestColumns | list[RequestView]) -> Decision:
     """Everyone runs or is admitted in arrival order, paused readers (who
     arrived earlier) before newcomers; vLLM packs memory in that order."""
+    cols = _columns(reqs)
     d = Decision(fallback_fcfs=True)
-    admit, run, order, waiting = d.admit, d.run, d.order, Phase.WAITING
-    for r in sorted(reqs, key=_ARRIVAL):
-        (admit if r.phase is waiting else run).append(r.req_id)
-        order.append(r.req_id)
+    ids, waiting = cols.ids, cols.phase == WAITING
+    rows = np.argsort(cols.arrival_time, kind="stable")
+    d.order = _pick(ids, rows)
+    d.admit = _pick(ids, rows[waiting[rows]])
+    d.run = _pick(ids, rows[~waiting[rows]])
     return d
+
+
+@dataclass(slots=True)
+class Keys:
+    """The rank key of each candidate (steps 4 and 5), as arrays."""
+
+    tier: np.ndarray  # KEEP_RUNNING ... SENT_AHEAD
+    value: np.ndarray  # ascending ranks first within a tier (see TokenFlowPolicy.keys)
+    cost: np.ndarray  # a guarded reader's swap cost in tokens (0 for the others)
 
 
 class TokenFlowPolicy:
     def __init__(self, cfg: TokenFlowConfig):
         self.cfg = cfg
 
-    def decide(self, reqs: list[RequestView], eng: EngineView) -> Decision | None:
+    def decide(self, reqs: RequestColumns | list[RequestView], eng: EngineView) -> Decision | None:
         """None means: no stress, leave vLLM's batch as it is."""
         cfg = self.cfg
-        pool = survey(reqs, eng.step_rate or math.inf)
-        counts = QueueCounts(pool.n_running, len(pool.waiting), len(pool.active) - pool.n_running,
+        cols = _columns(reqs)
+        if not len(cols):
+            return None
+        pool = survey(cols, eng.step_rate or math.inf)
+        counts = QueueCounts(pool.n_running, len(pool.waiting), pool.n_active - pool.n_running,
                              pool.waiting_blocks, eng.free_blocks, eng.total_blocks, eng.max_num_seqs)
         if not self.needs_decision(counts):
             return None
         if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
-            return fcfs_decision(reqs)
+            return fcfs_decision(cols)
         capacity = fitting_capacity(pool, eng, cfg.kv_headroom)
         share = swap_share(pool.required, capacity)
         budget = share * capacity * cfg.dt if capacity else 0.0
         work_end = pool.tokens_left / capacity if capacity else 0.0
-        by_arrival = sorted(pool.waiting, key=_ARRIVAL)
+        by_arrival = pool.waiting[np.argsort(cols.arrival_time[pool.waiting], kind="stable")]
         # The earliest arrivals get the room; the rest are deferred. The
         # working set never defers a newcomer that fits in the free slots and
         # KV now: vLLM alone would admit it this step.
-        room = max(self.working_set_room(pool.n_running, len(pool.active), pool.blocks / len(reqs), eng),
-                   self.fits_now(by_arrival, pool.n_running, eng))
-        newcomers, deferred = by_arrival[:room], by_arrival[room:]
-        candidates = pool.active + newcomers
-        # sorted() is stable: equal keys keep the order of `candidates`.
-        chosen = self.pack(self.rank(candidates, eng, share, budget, work_end), eng)
-        d = self.to_decision(pool, chosen, deferred, eng)
+        room = max(self.working_set_room(pool.n_running, pool.n_active, pool.blocks / len(cols), eng),
+                   self.fits_now(cols.blocks[by_arrival], pool.n_running, eng))
+        # Sorts are stable: equal keys keep the order of the candidates.
+        candidates = np.concatenate((pool.active, by_arrival[:room]))
+        chosen = self.pack(cols, self.rank(cols, candidates, eng, share, budget, work_end), eng)
+        d = self.to_decision(cols, pool, chosen, by_arrival[room:], eng)
         d.swap_share, d.swap_budget, d.work_end_s = share, budget, work_end
         return d
 
@@ -334,17 +339,13 @@ class TokenFlowPolicy:
         return contended(q, self.cfg.kv_headroom)
 
     # --- pieces -----------------------------------------------------------
-    def fits_now(self, by_arrival: list[RequestView], n_running: int, eng: EngineView) -> int:
-        """How many of the earliest waiting requests the free sequence slots
-        and KV blocks (less the growth headroom) hold as they are."""
+    def fits_now(self, blocks_by_arrival: np.ndarray, n_running: int, eng: EngineView) -> int:
+        """How many of the earliest waiting requests (their KV blocks, in
+        arrival order) the free sequence slots and KV blocks (less the
+        growth headroom) hold as they are."""
         free = eng.free_blocks - headroom_blocks(self.cfg.kv_headroom, eng.total_blocks)
-        slots, n = eng.max_num_seqs - n_running, 0
-        for r in by_arrival:
-            if n >= slots or r.blocks > free:
-                break
-            free -= r.blocks
-            n += 1
-        return n
+        fit = int(np.searchsorted(np.cumsum(blocks_by_arrival), free, side="right"))
+        return max(0, min(fit, eng.max_num_seqs - n_running))
 
     def working_set_room(self, n_running: int, n_current: int, mean_blocks: float, eng: EngineView) -> int:
         """How many waiting requests may join the working set now (step 3)."""
@@ -365,96 +366,102 @@ class TokenFlowPolicy:
         # Never fewer than one newcomer when nothing runs, or the engine idles.
         return max(0 if n_running else 1, math.floor(w_sched) - n_current)
 
-    def rank(self, candidates: list[RequestView], eng: EngineView,
-             share: float = DEFAULT_SWAP_SHARE, budget: float = 0.0, work_end: float = 0.0) -> list[RequestView]:
-        """Steps 4 and 5: requests that must keep running, then those that
-        must resume, each lowest buffer first; then the rest by priority U,
-        highest first. Guarded running readers rank with the newcomers, by
-        U, ahead of every other running or paused request: a paused reader
-        at its resume level takes free room or an unguarded reader's place,
-        and a guarded one's only while the swaps so made cost the batch at
-        most `budget` tokens (the guarded of lowest U first). Those it
-        cannot have wait behind the guarded. Readers above their resume
-        level come last when the work in hand is known (OUTLASTS, then
-        SENT_AHEAD, see tiers()). Sorts are stable: equal keys
-        keep the given order."""
-        costs: list[float] = []
-        keep, resume, guard, rest, outlast, ahead_of_time = self.tiers(candidates, eng, share, costs, work_end)
-        keep, resume = (list(map(_REQUEST, sorted(t, key=_VALUE))) for t in (keep, resume))
-        last = [*map(_REQUEST, sorted(outlast, key=_VALUE)), *map(_REQUEST, sorted(ahead_of_time, key=_VALUE))]
-        if not guard:
-            return keep + resume + list(map(_REQUEST, sorted(rest, key=_VALUE))) + last
-        waiting = Phase.WAITING
-        ahead, others = list(guard), []
-        for p in rest:
-            (ahead if p[1].phase is waiting and not p[1].reading else others).append(p)
-        ahead = list(map(_REQUEST, sorted(ahead, key=_VALUE)))
-        room = self.room_beside_guard(keep, resume, guard, costs, budget, eng) if resume else set()
-        first = [r for r in resume if id(r) in room]
-        later = [r for r in resume if id(r) not in room]
-        return keep + first + ahead + later + list(map(_REQUEST, sorted(others, key=_VALUE))) + last
+    def rank(self, cols: RequestColumns, candidates: np.ndarray, eng: EngineView,
+             share: float = DEFAULT_SWAP_SHARE, budget: float = 0.0, work_end: float = 0.0) -> np.ndarray:
+        """Steps 4 and 5, the candidates' rows in rank order: requests that
+        must keep running, then those that must resume, each lowest buffer
+        first; then the rest by priority U, highest first. Guarded running
+        readers rank with the newcomers, by U, ahead of every other running
+        or paused request: a paused reader at its resume level takes free
+        room or an unguarded reader's place, and a guarded one's only while
+        the swaps so made cost the batch at most `budget` tokens (the
+        guarded of lowest U first). Those it cannot have wait behind the
+        guarded. Readers above their resume level come last when the work
+        in hand is known (OUTLASTS, then SENT_AHEAD, see keys()). Sorts are
+        stable: equal keys keep the candidates' order."""
+        k = self.keys(cols, eng, share, work_end)
+        tier, value = k.tier[candidates], k.value[candidates]
+        guard = tier == GUARDED
+        if not guard.any():
+            return candidates[_in_order(tier, value)]
+        # Newcomers (no reader yet) rank with the guarded, after them on a tie.
+        rest = tier == BY_PRIORITY
+        newcomer = rest & (cols.phase[candidates] == WAITING) & ~cols.reading[candidates]
+        # Each request's group, in the order the groups are listed.
+        keep, resume, ahead, later, others, last = range(6)
+        group = np.full(len(candidates), last, dtype=np.int8)
+        group[tier == KEEP_RUNNING] = keep
+        group[tier == MUST_RESUME] = resume
+        group[guard | newcomer] = ahead
+        group[rest & ~newcomer] = others
+        in_resume = np.flatnonzero(tier == MUST_RESUME)
+        if len(in_resume):
+            in_resume = in_resume[np.argsort(value[in_resume], kind="stable")]
+            held = np.flatnonzero(guard)
+            held = held[np.argsort(value[held], kind="stable")]  # highest U first
+            in_keep = np.flatnonzero(tier == KEEP_RUNNING)
+            in_keep = in_keep[np.argsort(value[in_keep], kind="stable")]
+            need = self.needs(cols, candidates, eng)
+            costs = k.cost[candidates[held]].tolist()
+            room = self.room_beside_guard(need[in_keep].tolist(), need[held].tolist(), costs,
+                                          need[in_resume].tolist(), budget, eng)
+            group[in_resume[~np.array(room, dtype=bool)]] = later
+        # Within the last group OUTLASTS before SENT_AHEAD; within `ahead`
+        # the guarded before newcomers of the same U.
+        return candidates[_in_order(group, np.where(group == last, tier, 0), value, newcomer)]
 
-    def room_beside_guard(self, keep: list[RequestView], resume: list[RequestView], guard: list,
-                          costs: list[float], budget: float, eng: EngineView) -> set[int]:
-        """Which readers at their resume level (as ids) the slots and KV
-        hold when the guarded keep theirs, less those whose swaps they may
-        buy: a reader about to stall loses what it reads while it waits,
-        and the swap's cost comes out of capacity that, below the readers'
-        need, would only fill buffers. `budget` bounds that spend per
-        interval as the guard bounds each reader's (`swap_share`). The
-        guarded of lowest U are given up first, while their swaps fit in
-        the budget and some reader at its resume level is still left out."""
-        cap, grow, slots = self.pack_limits(eng)
-        waiting = Phase.WAITING
-
-        def take(r: RequestView, used: int, n: int) -> tuple[int, int]:
-            """pack()'s step: the state after it meets `r`. pack() keeps
-            the same step inline (it runs over every candidate each
-            decision); a property test holds the two equal."""
-            need = r.blocks if r.phase is waiting else r.blocks + grow
-            if n >= slots or (used + need > cap and n):
-                return used, n
-            return used + need, n + 1
-
-        held = sorted(zip(guard, costs), key=lambda g: g[0][0])  # highest U first
-        # pack()'s state after the keep and after each prefix of the held,
-        # so that giving up the last held reader repacks only the resume.
+    def room_beside_guard(self, keep: list[int], held: list[int], costs: list[float], resume: list[int],
+                          budget: float, eng: EngineView) -> list[bool]:
+        """Which readers at their resume level (in rank order, by the KV
+        blocks each needs, as pack() counts them) the slots and KV hold
+        when the guarded (`held`, highest U first, with their swap costs)
+        keep theirs, less those whose swaps they may buy: a reader about to
+        stall loses what it reads while it waits, and the swap's cost comes
+        out of capacity that, below the readers' need, would only fill
+        buffers. `budget` bounds that spend per interval as the guard bounds
+        each reader's (`swap_share`). The guarded of lowest U are given up
+        first, while their swaps fit in the budget and some reader at its
+        resume level is still left out. `keep`: the must-run readers ahead
+        of them all."""
+        cap, _, slots = self.pack_limits(eng)
+        # pack()'s state (blocks used, requests taken) after the keep and
+        # after each prefix of the held, so that giving up the last held
+        # reader repacks only the resume. pack()'s step, inline: a request
+        # is taken while slots last if it fits, or if it is the first.
         used = n = 0
-        for r in keep:
+        for need in keep:
             if n >= slots:
                 break
-            used, n = take(r, used, n)
+            if used + need <= cap or not n:
+                used, n = used + need, n + 1
         states = [(used, n)]
-        for (_, r), _ in held:
+        for need in held:
             if n >= slots:  # full: every longer prefix leaves this state
                 break
-            used, n = take(r, used, n)
+            if used + need <= cap or not n:
+                used, n = used + need, n + 1
             states.append((used, n))
         m = len(held)
         while True:
-            (used, n), room = states[min(m, len(states) - 1)], set()
-            for r in resume:
+            (used, n), room = states[min(m, len(states) - 1)], [False] * len(resume)
+            for i, need in enumerate(resume):
                 if n >= slots:  # full: no later reader fits
                     break
-                after = take(r, used, n)
-                if after[1] > n:
-                    room.add(id(r))
-                    used, n = after
-            if not m or len(room) == len(resume) or held[m - 1][1] > budget:
+                if used + need <= cap or not n:
+                    used, n = used + need, n + 1
+                    room[i] = True
+            if not m or all(room) or costs[m - 1] > budget:
                 return room
             m -= 1
-            budget -= held[m][1]
+            budget -= costs[m]
 
-    def tiers(self, reqs: list[RequestView], eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
-              costs: list[float] | None = None, work_end: float = 0.0) -> tuple[list, list, list, list, list, list]:
-        """Each request as a (value, request) pair in its tier, in the given
-        order: KEEP_RUNNING and MUST_RESUME valued by buffer seconds (step 4),
-        GUARDED, BY_PRIORITY and SENT_AHEAD by -U (step 5), OUTLASTS by the
-        seconds its reader reads on past the work in hand, negated;
-        ascending value ranks first. One pass over
-        all candidates per decision, so the constants are bound once and the
-        clamps are comparisons, not min()/max(). `costs`, if given, gets
-        each guarded request's swap cost in tokens, in the guard's order.
+    def keys(self, cols: RequestColumns, eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
+             work_end: float = 0.0) -> Keys:
+        """The rank key of every request, by row: KEEP_RUNNING and
+        MUST_RESUME valued by buffer seconds (step 4), GUARDED, BY_PRIORITY
+        and SENT_AHEAD by -U (step 5), OUTLASTS by the seconds its reader
+        reads on past the work in hand, negated; ascending value ranks first.
+        Each guarded request's swap cost (tokens) comes with it.
 
         Once the work in hand is known (`work_end` > 0: the seconds every
         live request's tokens left take at the engine's capacity,
@@ -472,92 +479,72 @@ class TokenFlowPolicy:
         work; some of its tokens go out ahead of need whatever is chosen,
         the more so the longer it reads on, so the longest reading first."""
         cfg = self.cfg
-        dt, mu, gamma, high = cfg.dt, cfg.mu, cfg.gamma, EFFECTIVE_HIGH_FRACTION
+        dt, mu, gamma = cfg.dt, cfg.mu, cfg.gamma
         lv = Levels.of(eng, dt)
         step, load, swap, recompute = lv.step_s, lv.load_per_token, lv.swap_per_token, lv.recompute_per_token
-        tier, bs = bool(eng.transfer_tps), eng.block_size
         start = eng.start_s or 0.0  # the batch's cost of (re)adding a request, beyond its tokens
-        speed_dt = lv.step_rate * dt
         # A swap's extra prefill holds up the whole batch, so it costs what
         # the batch decodes per second now, not one request's speed.
         batch_tps = lv.step_rate * eng.running if eng.running else (eng.decode_tps or lv.step_rate)
-        exp, running, paused = math.exp, Phase.RUNNING, Phase.PAUSED
-        keep, resume, guard, rest, outlast, last = [], [], [], [], [], []
-        for r in reqs:
-            rate, b, n, phase = r.rate, r.buffer_tokens, r.num_tokens, r.phase
-            if phase is running:
-                # Mid-prefill requests never pause: the work done would be
-                # lost.
-                if not r.num_output:
-                    keep.append((b / rate, r))
-                    continue
-                # The pause level: back in time (released, the worst case)
-                # for one more interval, plus the swap's own time.
-                resume_level = rate * mu * (n * load + step + dt)
-                if b < resume_level + rate * (dt + n * swap + step):
-                    keep.append((b / rate, r))
-                    continue
-                # The tokens the engine loses to this swap, priced as a
-                # release (the worst case, as the pause level is): the
-                # measured cost of putting a request back in the batch,
-                # plus its recompute. Without a host tier the batch
-                # recomputes the whole context. With one, the host holds
-                # every full block: the batch recomputes the unfinished tail
-                # block, and this slot sits out one step plus the reload. A
-                # pause itself costs the others no step (docs/BENCHMARKS.md:
-                # a whole step charged at the engine's capacity kept
-                # newcomers out for seconds; nothing charged swapped
-                # near-equal readers every interval).
-                if tier:
-                    bonus = (((n - 1) % bs) * recompute + start) * batch_tps + (step + n * load) * lv.step_rate
-                else:
-                    bonus = (n * recompute + start) * batch_tps
-                # Guarded from paused readers until it has decoded enough
-                # since its resume that this swap's cost stays within the
-                # share of the engine swaps may take (the reader decodes
-                # about `bonus / share` tokens between resume and pause),
-                # but never once its next tokens are of no use now (below).
-                guarded = b < resume_level + bonus / share if share > 0.0 else True
-            elif phase is paused or r.reading:  # a waiting reader is a released pause
-                back = step if r.kv_resident else n * load + step
-                if b < rate * mu * (back + dt):  # the resume level
-                    resume.append((b / rate, r))
-                    continue
-                bonus, guarded = 0.0, False
-            else:
-                bonus, guarded = 0.0, False
-            # useful = min(speed_dt, max(0.0, x)), with the builtins' tie rules.
-            useful = high * r.max_tokens - b + rate * dt
-            if useful > 0.0:
-                useful = useful if useful < speed_dt else speed_dt
-            else:
-                # Its reader holds more than the part of the answer worth
-                # sending ahead: no guard. At capacity (share 0) the guard
-                # would keep it decoding while readers at their resume
-                # level run dry.
-                useful, guarded = 0.0, False
-            value = -(useful + gamma * exp(-b / rate) + bonus)
-            if guarded:
-                guard.append((value, r))
-                if costs is not None:
-                    costs.append(bonus)
-            elif work_end > 0.0 and (phase is running or phase is paused or r.reading):
-                reads_on = b + r.max_tokens - r.num_output - rate * work_end  # tokens past the work's end
-                if reads_on < 0.0:
-                    last.append((value, r))
-                else:
-                    outlast.append((-reads_on / rate, r))
-            else:
-                rest.append((value, r))
-        return keep, resume, guard, rest, outlast, last
+        # Every row, not only the candidates: one gather fewer per column.
+        phase, rate, b, n = cols.phase, cols.rate, cols.buffer_tokens, cols.num_tokens
+        running, reading = phase == RUNNING, (phase == PAUSED) | cols.reading  # a waiting reader is a released pause
+        # The pause level: back in time (released, the worst case) for one
+        # more interval, plus the swap's own time. Mid-prefill requests never
+        # pause: the work done would be lost.
+        resume_level = rate * mu * (n * load + step + dt)
+        keep = running & ((cols.num_output == 0) | (b < resume_level + rate * (dt + n * swap + step)))
+        # A paused reader's resume level: back in time for one interval.
+        back = np.where(cols.kv_resident, step, n * load + step)
+        resume = ~running & reading & (b < rate * mu * (back + dt))
+        # The tokens the engine loses to a running reader's swap, priced as
+        # a release (the worst case, as the pause level is): the measured
+        # cost of putting a request back in the batch, plus its recompute.
+        # Without a host tier the batch recomputes the whole context. With
+        # one, the host holds every full block: the batch recomputes the
+        # unfinished tail block, and this slot sits out one step plus the
+        # reload. A pause itself costs the others no step
+        # (docs/BENCHMARKS.md: a whole step charged at the engine's
+        # capacity kept newcomers out for seconds; nothing charged swapped
+        # near-equal readers every interval).
+        if eng.transfer_tps:
+            bonus = (((n - 1) % eng.block_size) * recompute + start) * batch_tps + (step + n * load) * lv.step_rate
+        else:
+            bonus = (n * recompute + start) * batch_tps
+        bonus = bonus * running
+        # U's first term: the useful tokens in the next dt, at most one
+        # request's speed, none once its reader holds more than the part of
+        # the answer worth sending ahead.
+        useful = EFFECTIVE_HIGH_FRACTION * cols.max_tokens - b + rate * dt
+        useful = np.minimum(np.maximum(useful, 0.0), lv.step_rate * dt)
+        # Guarded from paused readers until it has decoded enough since its
+        # resume that this swap's cost stays within the share of the engine
+        # swaps may take (the reader decodes about `bonus / share` tokens
+        # between resume and pause), but never once its next tokens are of
+        # no use now: at capacity (share 0) the guard would keep it decoding
+        # while readers at their resume level run dry.
+        guarded = running & (useful > 0.0)
+        if share > 0.0:
+            guarded &= b < resume_level + bonus / share
+        value = -(useful + gamma * np.exp(-b / rate) + bonus)
+        tier = np.where(guarded, GUARDED, BY_PRIORITY).astype(np.int8)
+        if work_end > 0.0:
+            reads_on = b + cols.max_tokens - cols.num_output - rate * work_end  # tokens past the work's end
+            past = ~guarded & (running | reading)
+            tier[past] = np.where(reads_on[past] < 0.0, SENT_AHEAD, OUTLASTS)
+            outlasts = tier == OUTLASTS
+            value[outlasts] = -reads_on[outlasts] / rate[outlasts]
+        tier[keep] = KEEP_RUNNING
+        tier[resume] = MUST_RESUME
+        must = keep | resume
+        value[must] = (b / rate)[must]
+        return Keys(tier, value, bonus * (tier == GUARDED))
 
     def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
                  work_end: float = 0.0) -> tuple[int, float]:
         """(tier, value) of one request: where rank() puts it."""
-        for tier, members in enumerate(self.tiers([r], eng, share, work_end=work_end)):
-            if members:
-                return tier, members[0][0]
-        raise AssertionError("unreachable: every request has a tier")
+        k = self.keys(RequestColumns.of([r]), eng, share, work_end)
+        return int(k.tier[0]), float(k.value[0])
 
     def must_run(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE) -> bool:
         return self.rank_key(r, eng, share)[0] in (KEEP_RUNNING, MUST_RESUME)
@@ -574,65 +561,85 @@ class TokenFlowPolicy:
         grow = math.ceil((eng.step_rate or 1.0) * self.cfg.dt / eng.block_size)
         return cap, grow, eng.max_num_seqs
 
-    def pack(self, ordered: list[RequestView], eng: EngineView) -> list[RequestView]:
-        """Take requests in order while sequence slots and KV blocks last."""
-        budget, grow, slots = self.pack_limits(eng)
-        waiting = Phase.WAITING
-        chosen, used = [], 0
-        for r in ordered:
-            need = r.blocks if r.phase is waiting else r.blocks + grow
-            if used + need > budget and chosen:
-                continue
-            chosen.append(r)
-            used += need
-            if len(chosen) >= slots:
-                break
-        return chosen
+    def needs(self, cols: RequestColumns, rows: np.ndarray, eng: EngineView) -> np.ndarray:
+        """KV blocks pack() counts for each of `rows`: a waiting request its
+        context's, the others that plus an interval's growth."""
+        _, grow, _ = self.pack_limits(eng)
+        return cols.blocks[rows] + grow * (cols.phase[rows] != WAITING)
 
-    def to_decision(self, pool: Pool, chosen: list[RequestView], deferred: list[RequestView],
+    def pack(self, cols: RequestColumns, ordered: np.ndarray, eng: EngineView) -> np.ndarray:
+        """Take the `ordered` rows in order while sequence slots and KV
+        blocks last (the first always); one that does not fit is passed
+        over for those after it that do."""
+        cap, _, slots = self.pack_limits(eng)
+        need = self.needs(cols, ordered, eng)
+        if not len(ordered) or slots <= 0:
+            return ordered[:1]
+        if need[0] > cap:
+            return ordered[:1]
+        # The longest prefix that fits, then one by one.
+        fit = min(int(np.searchsorted(np.cumsum(need), cap, side="right")), slots)
+        taken, left = list(range(fit)), cap - int(need[:fit].sum())
+        if fit < slots and fit + 1 < len(ordered):
+            rest = need[fit + 1:].tolist()
+            least = min(rest)
+            for j, x in enumerate(rest, start=fit + 1):
+                if left < least:
+                    break
+                if x <= left:
+                    taken.append(j)
+                    left -= x
+                    if len(taken) >= slots:
+                        break
+        return ordered[taken]
+
+    def to_decision(self, cols: RequestColumns, pool: Pool, chosen: np.ndarray, deferred: np.ndarray,
                     eng: EngineView) -> Decision:
-        d = Decision(defer=[r.req_id for r in deferred])
-        waiting = Phase.WAITING
-        need = 0  # blocks the chosen must still get on the device
-        for r in chosen:  # in priority order: vLLM preempts from the tail
-            d.order.append(r.req_id)
-            if r.phase is waiting:
-                d.admit.append(r.req_id)
-                need += r.blocks
-                continue
-            d.run.append(r.req_id)
-            if not r.kv_resident:
-                need += r.blocks
-                if self.resume_mode(r, eng) == "recompute":
-                    d.recompute.append(r.req_id)
-        chosen_ids = set(d.run)
-        chosen_ids.update(d.admit)
-        chosen_ids.update(d.defer)
-        # The pool keeps the given order, which the unchosen keep too.
-        d.wait = [r.req_id for r in pool.waiting if r.req_id not in chosen_ids]
-        losers = [r for r in pool.active if r.req_id not in chosen_ids]
+        ids = cols.ids
+        d = Decision(defer=_pick(ids, deferred))
+        waiting = cols.phase == WAITING
+        # In priority order: vLLM preempts from the tail.
+        d.order = _pick(ids, chosen)
+        admit, run = chosen[waiting[chosen]], chosen[~waiting[chosen]]
+        d.admit = _pick(ids, admit)
+        d.run = _pick(ids, run)
+        away = run[~cols.kv_resident[run]]  # released: their blocks must come back
+        # Blocks the chosen must still get on the device.
+        need = int(cols.blocks[admit].sum()) + int(cols.blocks[away].sum())
+        d.recompute = _pick(ids, away[self.recomputes(cols, away, eng)])
+        taken = np.zeros(len(cols), dtype=bool)
+        taken[chosen] = True
+        taken[deferred] = True
+        # The unchosen keep the given order.
+        d.wait = _pick(ids, pool.waiting[~taken[pool.waiting]])
+        losers = pool.active[~taken[pool.active]]
         # Unchosen resident requests free KV only as far as the chosen need
         # it, largest buffers (in seconds of reading) first; the rest pause
-        # holding their blocks.
-        free = eng.free_blocks
-        losers.sort(key=attrgetter("buffer_s"), reverse=True)
-        for r in losers:
-            if not r.kv_resident:
-                d.pause_release.append(r.req_id)  # already released: stays so
-            elif free < need:
-                d.pause_release.append(r.req_id)
-                free += r.blocks
-            else:
-                d.pause_hold.append(r.req_id)
+        # holding their blocks. (Released ones stay so.)
+        losers = losers[np.argsort(-(cols.buffer_tokens[losers] / cols.rate[losers]), kind="stable")]
+        resident = cols.kv_resident[losers]
+        # A resident one is released while what is free before it falls short.
+        frees = cols.blocks[losers] * resident
+        release = ~resident | (eng.free_blocks + np.cumsum(frees) - frees < need)
+        d.pause_release = _pick(ids, losers[release])
+        d.pause_hold = _pick(ids, losers[~release])
         return d
 
+    def recomputes(self, cols: RequestColumns, rows: np.ndarray, eng: EngineView) -> np.ndarray:
+        """Of the released `rows`, which come back by recompute (step 6):
+        prefilling the context beats moving its host blocks at the measured
+        speeds. With no transfer measured yet, or nothing on the host,
+        there is nothing to weigh: vLLM then loads whatever the host holds."""
+        if not eng.transfer_tps:
+            return np.zeros(len(rows), dtype=bool)
+        host = cols.host_blocks[rows]
+        t_io = host * eng.block_size / eng.transfer_tps
+        t_prefill = cols.num_tokens[rows] / eng.prefill_tps if eng.prefill_tps else np.full(len(rows), math.inf)
+        return (host != 0) & ~(t_io < t_prefill)
+
     def resume_mode(self, r: RequestView, eng: EngineView) -> str | None:
-        """How a released request comes back (step 6): "reload" when moving
-        its host blocks beats prefilling its context, else "recompute". None
-        when there is nothing to weigh (no transfer measured yet, or nothing
-        on the host): vLLM then loads whatever the host holds."""
+        """How a released request comes back (step 6): "reload" or
+        "recompute"; None when there is nothing to weigh."""
         if not eng.transfer_tps or r.host_blocks == 0:
             return None
-        t_io = r.host_blocks * eng.block_size / eng.transfer_tps
-        t_prefill = r.num_tokens / eng.prefill_tps if eng.prefill_tps else math.inf
-        return "reload" if t_io < t_prefill else "recompute"
+        return "recompute" if self.recomputes(RequestColumns.of([r]), np.zeros(1, dtype=np.intp), eng)[0] else "reload"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policy import EngineView, Phase, RequestView, TokenFlowPolicy
+from tokenflow.core.policy import EngineView, Phase, RequestColumns, RequestView, TokenFlowPolicy
 
 
 def population(n: int, seed: int = 0) -> tuple[list[RequestView], EngineView]:
@@ -71,6 +71,8 @@ def measure(policy_name: str, n: int, repeats: int = 200, build=population) -> d
     cfg = TokenFlowConfig(policy=policy_name)
     policy = TokenFlowPolicy(cfg) if policy_name == "tokenflow" else AndesPolicy(cfg)
     reqs, eng = build(n)
+    if policy_name == "tokenflow":
+        reqs = RequestColumns.of(reqs)  # as the scheduler's snapshot gives them
     wall, cpu = [], []
     for _ in range(repeats):
         t, c = time.perf_counter(), time.thread_time()
@@ -113,7 +115,7 @@ def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50
     sys.modules[spec.name] = other  # dataclasses look their module up there
     spec.loader.exec_module(other)
     reqs, eng = POPULATIONS[population_name](n)
-    views = {"this": (TokenFlowPolicy(TokenFlowConfig()), reqs, eng),
+    views = {"this": (TokenFlowPolicy(TokenFlowConfig()), RequestColumns.of(reqs), eng),
              "other": (other.TokenFlowPolicy(TokenFlowConfig()), *_rebuilt(other, reqs, eng))}
     medians: dict[str, list[float]] = {"this": [], "other": []}
     for i in range(rounds):
@@ -126,7 +128,8 @@ def compare(other_path: str, n: int = 400, rounds: int = 30, per_round: int = 50
                 times.append(time.perf_counter() - t)
             medians[name].append(statistics.median(times))
     decisions = [p.decide(rs, e) for p, rs, e in views.values()]
-    same = [d and (d.order, d.pause_hold, d.pause_release) for d in decisions]
+    same = [d and (d.order, d.admit, d.run, d.pause_hold, d.pause_release, d.defer, d.wait, d.recompute)
+            for d in decisions]
     this, other_ms = (statistics.median(medians[k]) * 1e3 for k in ("this", "other"))
     row = {"requests": n, "population": population_name, "this_median_ms": round(this, 4), "other_median_ms": round(other_ms, 4),
            "ratio": round(this / other_ms, 3), "same_decision": same[0] == same[1]}
@@ -141,4 +144,6 @@ def _rebuilt(mod, reqs: list[RequestView], eng: EngineView):
     rs = [mod.RequestView(**{k: getattr(r, k) for k in fields if k != "phase"}, phase=mod.Phase(r.phase.value))
           for r in reqs]
     e = mod.EngineView(**{k: getattr(eng, k) for k in mod.EngineView.__dataclass_fields__ if hasattr(eng, k)})
+    if hasattr(mod, "RequestColumns"):  # a policy that decides over columns: built once, as for this one
+        rs = mod.RequestColumns.of(rs)
     return rs, e
