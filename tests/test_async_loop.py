@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tests.vllm_loop import FAST, TF_ASYNC, TF_SYNC, Burst, make_loop, run_burst, ttft_steps
-from tokenflow.core.policy import BY_PRIORITY, GUARDED, KEEP_RUNNING, MUST_RESUME
+from tokenflow.core.policy import BY_PRIORITY, GUARDED, KEEP_RUNNING, MUST_RESUME, OUTLASTS, SENT_AHEAD
 
 BURST = Burst()
 TAIL = [f"r{i}" for i in range(BURST.requests, BURST.requests + BURST.late)]
@@ -353,5 +353,62 @@ def test_decision_trace_records_who_ranked_where(tmp_path, monkeypatch):
         loop.scheduler.tf_stats.pauses_hold + loop.scheduler.tf_stats.pauses_release
     seen = {row[0] for x in lines for row in x["requests"]}
     assert {f"r{i}" for i in range(BURST.requests)} <= seen  # every request of the burst was ranked
-    tiers = (KEEP_RUNNING, MUST_RESUME, GUARDED, BY_PRIORITY)
-    assert all(row[7] in tiers for x in lines for row in x["requests"])  # a tier each
+    tiers = (KEEP_RUNNING, MUST_RESUME, GUARDED, BY_PRIORITY, OUTLASTS, SENT_AHEAD)
+    assert all(row[7] in tiers for x in lines for row in x["requests"])  # a tier each (the rank's, work end included)
+
+
+def test_snapshot_columns_are_each_requests_facts():
+    """The snapshot reads fixed facts from the request table and levels from
+    the readers' dry_at, at C speed; every few steps of a burst with pauses,
+    each row equals what the request and its reader say one by one."""
+    import copy
+
+    from tokenflow.core.columns import Phase
+
+    seen = {"rows": 0, "paused": 0}
+
+    def compare(lp):
+        sched = lp.scheduler
+        if lp.step_no % 7:
+            return
+        now = sched.clock()
+        cols, _ = sched.snapshot(now)
+        queued = [r for r in sched.waiting if r.status.name in ("WAITING", "PREEMPTED")]
+        groups = ((sched.running, Phase.RUNNING, True), (sched.held.values(), Phase.PAUSED, True),
+                  (sched.released.values(), Phase.PAUSED, False), (queued, Phase.WAITING, False))
+        expected = []
+        for reqs, phase, resident in groups:
+            for req in reqs:
+                reader = sched.readers[req.request_id]
+                n = req.num_tokens
+                expected.append((req.request_id, phase, reader.arrival_time, reader.rate,
+                                 copy.deepcopy(reader).buffer(now), req.num_output_tokens, req.max_tokens, n,
+                                 (n + sched.block_size) // sched.block_size, resident, 0,
+                                 reader.first_token_time is not None))
+        fields = ("req_id", "phase", "arrival_time", "rate", "buffer_tokens", "num_output", "max_tokens",
+                  "num_tokens", "blocks", "kv_resident", "host_blocks", "reading")
+        got = [tuple(getattr(v, f) for f in fields) for v in cols.views()]
+        assert [g[:4] + g[5:] for g in got] == [e[:4] + e[5:] for e in expected]
+        assert [g[4] for g in got] == pytest.approx([e[4] for e in expected], abs=1e-6)
+        seen["rows"] += len(got)
+        seen["paused"] += sum(g[1] is Phase.PAUSED for g in got)
+
+    run_burst(make_loop(TF_ASYNC, {**FAST, "policy": "tokenflow"}), BURST, compare)
+    assert seen["rows"] > 0 and seen["paused"] > 0
+
+
+def test_request_table_reuses_rows_and_grows():
+    import numpy as np
+
+    from tokenflow.engine.request_table import RequestTable
+
+    table = RequestTable(capacity=2)
+    for i in range(5):
+        table.add(f"r{i}", float(i), 10.0 + i, 100 + i, 20 + i)
+    table.remove("r1")
+    table.add("r5", 5.0, 15.0, 105, 25)
+    assert len(table) == 5 and table.row_of["r5"] == 1  # r1's row, again
+    rows = table.rows(["r4", "r0", "r5"])
+    assert table.rate[rows].tolist() == [14.0, 10.0, 15.0]
+    assert table.max_tokens[rows].tolist() == [104, 100, 105] and table.num_prompt[rows].tolist() == [24, 20, 25]
+    assert np.array_equal(table.arrival_time[rows], [4.0, 0.0, 5.0])

@@ -56,6 +56,11 @@ class ReaderBuffer:
     _position: float = 0.0
     _clock: float = 0.0
     _stall: float = 0.0
+    # When the buffer runs out if nothing more arrives (-inf before the
+    # first token): the level at t is rate * (dry_at - t) until then, and it
+    # moves only when tokens arrive, so a scheduler reads every reader's
+    # level from one array of these (tokenflow/engine/scheduler.py).
+    dry_at: float = -math.inf
     # Buffer level seen by each token as it arrived (before adding it).
     arrivals: list[float] = field(default_factory=list)
     buffer_at_arrival: list[float] = field(default_factory=list)
@@ -75,6 +80,7 @@ class ReaderBuffer:
         r.first_token_time = r._clock = now
         r.delivered = math.ceil(max(0.0, unread))
         r._position = r.delivered - max(0.0, unread)
+        r.dry_at = now + max(0.0, unread) / rate
         return r
 
     @classmethod
@@ -108,11 +114,12 @@ class ReaderBuffer:
         self._advance(t)
         if not self.history:
             self.delivered += n
-            return
-        for _ in range(n):
-            self.buffer_at_arrival.append(self.delivered - self._position)
-            self.arrivals.append(t)
-            self.delivered += 1
+        else:
+            for _ in range(n):
+                self.buffer_at_arrival.append(self.delivered - self._position)
+                self.arrivals.append(t)
+                self.delivered += 1
+        self.dry_at = self._clock + (self.delivered - self._position) / self.rate
 
     def on_finish(self, t: float) -> None:
         self._advance(t)
@@ -125,15 +132,14 @@ class ReaderBuffer:
         return self.delivered - self._position
 
     def level(self, t: float) -> float:
-        """buffer(t) without advancing the playhead: the scheduler's snapshot
-        asks it for every live request each interval. Advancing later over
-        the longer span gives the same position and stall (no token arrived
-        in between: on_tokens advances first)."""
-        room = self.delivered - self._position
-        elapsed = t - self._clock
-        if self.first_token_time is None or elapsed <= 0.0:
-            return room
-        room -= self.rate * elapsed
+        """buffer(t) without advancing the playhead, from `dry_at` alone: the
+        scheduler's snapshot computes this for every live request at once
+        (rate * (dry_at - t), at least 0). Advancing later over the longer
+        span gives the same position and stall (no token arrived in
+        between: on_tokens advances first)."""
+        if self.first_token_time is None:
+            return self.delivered - self._position
+        room = self.rate * (self.dry_at - t)
         return room if room > 0.0 else 0.0
 
     def buffer_seconds(self, t: float) -> float:

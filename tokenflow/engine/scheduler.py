@@ -34,6 +34,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from itertools import repeat
+from operator import attrgetter
+
+import numpy as np
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -43,13 +47,22 @@ from tokenflow.core.andes import AndesPolicy
 from tokenflow.core.buffer import ReaderBuffer
 from tokenflow.core.config import RATE_KEY, TokenFlowConfig, parse_carried, parse_rate
 from tokenflow.core.meters import EngineMeters
-from tokenflow.core.policy import Decision, EngineView, Phase, QueueCounts, RequestView, TokenFlowPolicy
+from tokenflow.core.columns import PAUSED, RUNNING, WAITING, RequestColumns
+from tokenflow.core.policy import Decision, EngineView, QueueCounts, TokenFlowPolicy
 from tokenflow.core.sched_state import SchedulerState, SchedulerStats
 from tokenflow.engine import core_utility  # noqa: F401  (the replica's way in: an EngineCore utility)
+from tokenflow.engine.request_table import RequestTable
 from tokenflow.engine.trace import DecisionTrace
 from tokenflow.kv_offload.tier import host_tier_of
 
 logger = logging.getLogger(__name__)
+
+_ID, _DRY_AT, _OUTPUT = attrgetter("request_id"), attrgetter("dry_at"), attrgetter("_output_token_ids")
+_QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)  # waiting requests the policy may admit
+# The snapshot's four groups of requests, in its order: running, held,
+# released, waiting; each group's phase and whether its KV is resident.
+_GROUP_PHASE = np.array([RUNNING, PAUSED, PAUSED, WAITING], dtype=np.int8)
+_GROUP_RESIDENT = np.array([True, True, False, False])
 
 
 def make_policy(cfg: TokenFlowConfig):
@@ -71,6 +84,7 @@ class TokenFlowMixin:
         self.tf_config = TokenFlowConfig.from_dict(extra.get("tokenflow"))
         self.policy = make_policy(self.tf_config)
         self.readers: dict[str, ReaderBuffer] = {}
+        self.table = RequestTable()  # each live request's fixed facts, for the snapshot
         self.held: dict[str, Request] = {}  # paused, KV kept
         self.released: dict[str, Request] = {}  # paused, KV freed
         # Waiting, beyond the working set: out of vLLM's queue until the next
@@ -118,7 +132,9 @@ class TokenFlowMixin:
             # user gets the default rather than a dead engine.
             logger.warning("request %s: bad consumption_rate %r, using default", request.request_id, value)
             rate = self.tf_config.default_rate
-        self.readers[request.request_id] = self._reader_of(extra, rate)
+        reader = self.readers[request.request_id] = self._reader_of(extra, rate)
+        self.table.add(request.request_id, reader.arrival_time, reader.rate, request.max_tokens,
+                       request.num_prompt_tokens)
 
     def _reader_of(self, extra: dict | None, rate: float) -> ReaderBuffer:
         """A new request's reader; a stream continued from a lost engine
@@ -202,6 +218,7 @@ class TokenFlowMixin:
     def _forget(self, req_id: str) -> None:
         self._computed_at_release.pop(req_id, None)
         self.readers.pop(req_id, None)
+        self.table.remove(req_id)
         self.held.pop(req_id, None)
         self.released.pop(req_id, None)
         self.deferred.pop(req_id, None)
@@ -235,29 +252,40 @@ class TokenFlowMixin:
         ceil((num_tokens + 1) / block_size)."""
         return (num_tokens + self.block_size) // self.block_size
 
-    def _views(self, reqs, phase: Phase, now: float, resident: bool, out: list[RequestView]) -> None:
-        """A RequestView per request that has a reader. It runs over every
-        live request each decision, so lookups are bound once, positional
-        arguments are used."""
-        readers, bs, view, append = self.readers, self.block_size, RequestView, out.append
-        host = self.host_tier.request_blocks if self.host_tier is not None and not resident else None
-        waiting_ok = (RequestStatus.WAITING, RequestStatus.PREEMPTED) if phase is Phase.WAITING else None
-        for req in reqs:
-            req_id = req.request_id
-            reader = readers.get(req_id)
-            if reader is None or (waiting_ok is not None and req.status not in waiting_ok):
-                continue
-            n = req.num_tokens
-            append(view(req_id, phase, reader.arrival_time, reader.rate, reader.level(now),
-                        req.num_output_tokens, req.max_tokens, n, (n + bs) // bs, resident,
-                        host(req_id) if host else 0, reader.first_token_time is not None))
-
-    def snapshot(self, now: float) -> tuple[list[RequestView], EngineView]:
-        views: list[RequestView] = []
-        self._views(self.running, Phase.RUNNING, now, True, views)
-        self._views(self.held.values(), Phase.PAUSED, now, True, views)
-        self._views(self.released.values(), Phase.PAUSED, now, False, views)
-        self._views(self.waiting, Phase.WAITING, now, False, views)
+    def snapshot(self, now: float) -> tuple[RequestColumns, EngineView]:
+        """Every live request as the policy's columns, and the engine. It
+        runs each interval something contends, over every live request, so
+        each column is one pass at C speed: the fixed facts come from the
+        request table, the readers' levels from their `dry_at`, the context
+        from vLLM's token lists; no object is built per request."""
+        readers = self.readers
+        groups = [self.running, list(self.held.values()), list(self.released.values()),
+                  [r for r in self.waiting if r.status in _QUEUED]]
+        reqs = [r for g in groups for r in g]
+        ids = list(map(_ID, reqs))
+        if not all(map(readers.__contains__, ids)):  # a request without a reader is not the policy's
+            groups = [[r for r in g if r.request_id in readers] for g in groups]
+            reqs = [r for g in groups for r in g]
+            ids = list(map(_ID, reqs))
+        n, table, bs = len(ids), self.table, self.block_size
+        rows = table.rows(ids)
+        counts = list(map(len, groups))
+        phase, resident = np.repeat(_GROUP_PHASE, counts), np.repeat(_GROUP_RESIDENT, counts)
+        rate = table.rate[rows]
+        dry_at = np.fromiter(map(_DRY_AT, map(readers.__getitem__, ids)), dtype=np.float64, count=n)
+        num_output = np.fromiter(map(len, map(_OUTPUT, reqs)), dtype=np.int64, count=n)
+        num_tokens = table.num_prompt[rows] + num_output
+        host_blocks = np.zeros(n, dtype=np.int64)
+        if self.host_tier is not None and counts[2]:
+            start = counts[0] + counts[1]
+            host_blocks[start:start + counts[2]] = [self.host_tier.request_blocks(r.request_id) for r in groups[2]]
+        cols = RequestColumns(
+            ids=ids, phase=phase, arrival_time=table.arrival_time[rows], rate=rate,
+            # ReaderBuffer.level, for all readers at once (none before a first token).
+            buffer_tokens=np.maximum(rate * (dry_at - now), 0.0),
+            num_output=num_output, max_tokens=table.max_tokens[rows], num_tokens=num_tokens,
+            blocks=(num_tokens + bs) // bs, kv_resident=resident, host_blocks=host_blocks,
+            reading=dry_at > -np.inf)
         m, tier = self.meters, self.host_tier
         eng = EngineView(
             block_size=self.block_size,
@@ -273,7 +301,7 @@ class TokenFlowMixin:
             host_blocks=tier.capacity_blocks() if tier is not None else 0,
             running=len(self.running),
         )
-        return views, eng
+        return cols, eng
 
     def _buffer_seconds_of(self, req_id: str) -> float:
         reader = self.readers.get(req_id)
@@ -291,20 +319,20 @@ class TokenFlowMixin:
         if not self.policy.needs_decision(self._queue_counts()):
             return  # nothing contends: vLLM admits every newcomer this step
         t0 = time.perf_counter()
-        views, eng = self.snapshot(now)
-        if not views:
+        cols, eng = self.snapshot(now)
+        if not len(cols):
             return
         t1 = time.perf_counter()
-        decision = self.policy.decide(views, eng)
+        decision = self.policy.decide(cols, eng)
         self.tf_stats.decision_seconds += time.perf_counter() - t1
         if self._trace is not None:
-            self._trace.record(now, views, eng, decision, self.policy)
+            self._trace.record(now, cols, eng, decision, self.policy)
         if decision is not None:
             self.tf_stats.decisions += 1
             self.tf_stats.fallbacks += decision.fallback_fcfs
             self._apply(decision, now)
         # The whole cost on the step: snapshot, policy and apply.
-        self.reschedule_seconds.append((len(views), time.perf_counter() - t0))
+        self.reschedule_seconds.append((len(cols), time.perf_counter() - t0))
 
     def _apply(self, d: Decision, now: float) -> None:
         by_id = {r.request_id: r for r in self.running}
@@ -375,8 +403,8 @@ class TokenFlowMixin:
         """Put the chosen back in `order`: held ones into `running` while
         slots last, released ones and admitted newcomers to the head of
         `waiting` (ahead of those not chosen), in that order."""
-        rank = {req_id: i for i, req_id in enumerate(order)}
-        waiting = {r.request_id: r for r in self.waiting}
+        waiting = {r.request_id: r for r in self.waiting} if len(self.waiting) else {}
+        held, released = self.held, self.released
         to_queue = []
         self._resume_next = []
         for req_id in order:
@@ -384,7 +412,7 @@ class TokenFlowMixin:
                 self.waiting.remove_request(req)
                 to_queue.append(req)
                 continue
-            parked = self.held.get(req_id) or self.released.get(req_id)
+            parked = held.get(req_id) or released.get(req_id)
             if parked is None:
                 continue
             if self._in_flight(parked):
@@ -392,20 +420,23 @@ class TokenFlowMixin:
                 # scheduling it will be by the next schedule().
                 self._resume_next.append(req_id)
                 self.tf_stats.resumes_delayed += 1
-            elif req_id in self.held:
+            elif req_id in held:
                 if len(self.running) < self.max_num_running_reqs:
-                    self.running.append(self.held.pop(req_id))
+                    self.running.append(held.pop(req_id))
                     self.tf_stats.resumes += 1
             else:
-                to_queue.append(self.released.pop(req_id))
+                to_queue.append(released.pop(req_id))
                 self.tf_stats.resumes += 1
         # vLLM re-admits from the front of the queue.
         for req in reversed(to_queue):
             self.waiting.prepend_request(req)
         # vLLM preempts from the tail of `running` when blocks run out, so
-        # keep the policy's order: its lowest priority goes first.
-        self.running.sort(key=lambda r: rank.get(r.request_id, -1))
-
+        # keep the policy's order: its lowest priority goes first (those it
+        # did not rank, first of all).
+        running = self.running
+        rank = dict(zip(order, range(len(order))))
+        place = list(map(rank.get, map(_ID, running), repeat(-1)))
+        running[:] = [running[i] for i in sorted(range(len(running)), key=place.__getitem__)]
 
     def scheduler_state(self) -> SchedulerState:
         """What the engine replica reads (router push, metrics)."""

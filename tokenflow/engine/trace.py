@@ -33,18 +33,21 @@ class DecisionTrace:
         Path(directory).mkdir(parents=True, exist_ok=True)
         return cls(Path(directory) / f"decisions-{os.getpid()}.jsonl")
 
-    def record(self, now: float, views, eng, decision, policy) -> None:
-        rank_key = getattr(policy, "rank_key", None)  # TokenFlow's; Andes ranks otherwise
+    def record(self, now: float, cols, eng, decision, policy) -> None:
+        """One line for a decision over `cols` (RequestColumns)."""
+        keys = getattr(policy, "keys", None)  # TokenFlow's; Andes ranks otherwise
         share = decision.swap_share if decision is not None else DEFAULT_SWAP_SHARE  # the one the rank used
+        work_end = decision.work_end_s if decision is not None else 0.0
 
         def short(ids):
             return [i[-ID_CHARS:] for i in ids]
 
+        k = keys(cols, eng, share, work_end) if keys is not None else None
         rows = []
-        for r in views:
-            tier, value = rank_key(r, eng, share) if rank_key is not None else (None, None)
+        for i, r in enumerate(cols.views()):
+            tier, value = (int(k.tier[i]), round(float(k.value[i]), 4)) if k is not None else (None, None)
             rows.append([r.req_id[-ID_CHARS:], r.phase.value, round(r.buffer_s, 3), r.num_output, r.rate,
-                         r.blocks, r.kv_resident, tier, None if value is None else round(value, 4)])
+                         r.blocks, r.kv_resident, tier, value])
         line = {"t": round(now, 4),
                 "engine": {"free_blocks": eng.free_blocks, "total_blocks": eng.total_blocks,
                            "host_blocks": eng.host_blocks, "max_num_seqs": eng.max_num_seqs,
