@@ -424,22 +424,27 @@ class TokenFlowPolicy:
         resume level is still left out. `keep`: the must-run readers ahead
         of them all."""
         cap, _, slots = self.pack_limits(eng)
-        # pack()'s state (blocks used, requests taken) after the keep and
-        # after each prefix of the held, so that giving up the last held
-        # reader repacks only the resume. pack()'s step, inline: a request
-        # is taken while slots last if it fits, or if it is the first.
+
+        def take(need: int, used: int, n: int) -> tuple[int, int]:
+            """pack()'s step: the state (blocks used, requests taken) after
+            it meets a request needing `need` blocks; a property test holds
+            the two equal."""
+            if n >= slots or (used + need > cap and n):
+                return used, n
+            return used + need, n + 1
+
+        # pack()'s state after the keep and after each prefix of the held,
+        # so that giving up the last held reader repacks only the resume.
         used = n = 0
         for need in keep:
             if n >= slots:
                 break
-            if used + need <= cap or not n:
-                used, n = used + need, n + 1
+            used, n = take(need, used, n)
         states = [(used, n)]
         for need in held:
             if n >= slots:  # full: every longer prefix leaves this state
                 break
-            if used + need <= cap or not n:
-                used, n = used + need, n + 1
+            used, n = take(need, used, n)
             states.append((used, n))
         m = len(held)
         while True:
@@ -447,9 +452,8 @@ class TokenFlowPolicy:
             for i, need in enumerate(resume):
                 if n >= slots:  # full: no later reader fits
                     break
-                if used + need <= cap or not n:
-                    used, n = used + need, n + 1
-                    room[i] = True
+                used, after = take(need, used, n)
+                room[i], n = after > n, after
             if not m or all(room) or costs[m - 1] > budget:
                 return room
             m -= 1

@@ -403,7 +403,7 @@ class TokenFlowMixin:
         """Put the chosen back in `order`: held ones into `running` while
         slots last, released ones and admitted newcomers to the head of
         `waiting` (ahead of those not chosen), in that order."""
-        waiting = {r.request_id: r for r in self.waiting} if len(self.waiting) else {}
+        waiting = {r.request_id: r for r in self.waiting}
         held, released = self.held, self.released
         to_queue = []
         self._resume_next = []
