@@ -195,6 +195,9 @@ def test_bench_app_end_to_end_two_policies(tmp_path):
                                                rel=1e-6, abs=1e-6)
         assert sum(lost["by_rate"].values()) == pytest.approx(lost["tokens"]) == pytest.approx(sum(lost["by_quarter"]))
         assert set(lost["by_rate"]) == {"10", "40"}
+        stalls = res["stall_by_rate"]
+        assert set(stalls) == {"10", "40"} and sum(x["requests"] for x in stalls.values()) == n
+        assert {"busy_s", "busy_tps", "need_tps", "load"} <= set(res["load_seen"])
         assert 0 < res["median_ttft_ms"] <= res["p99_ttft_ms"]
         assert 0 <= res["slo_attainment"] <= 1
         assert res["effective_throughput_tps"] <= res["throughput_tps"] + 1e-9
@@ -302,6 +305,27 @@ def test_a_burst_sized_by_load_outnumbers_the_slots_and_keeps_the_load():
     poisson = AppWorkload(shape="poisson", requests=50, rates="20", max_tokens=100, prompt="p", arrival_rate=1.0,
                           load=0.3, per_slot=2.0).at_load(600.0, 64)
     assert (poisson.requests, poisson.rates, poisson.arrival_rate) == (50, "20", pytest.approx(1.8))
+
+
+def test_a_runs_load_is_read_off_its_slots_busy_and_stalls_by_rate():
+    """What the run met: the readers' need over what the app decoded while
+    every slot streamed; and each reading rate's stalls."""
+    from tokenflow.tools.bench_app import load_seen, stall_by_rate
+
+    def rec(rate, arrivals, stall=0.0, ok=True):
+        return {"rate": rate, "arrivals_s": arrivals, "stall_s": stall, "ok": ok}
+
+    records = [rec(10.0, [0.0, 1.0, 2.0, 3.0, 4.0]), rec(20.0, [1.0, 2.0, 3.0], stall=1.5),
+               rec(20.0, [3.5, 5.0, 6.0], stall=0.5), rec(5.0, [], ok=False)]
+    # Two streams mid-answer over [1, 3) and [3.5, 4): 2.5 s holding 5 tokens
+    # (a stream's last token ends it, so 3.0 and 4.0 fall outside).
+    seen = load_seen(records, slots=2)
+    assert seen["busy_s"] == pytest.approx(2.5) and seen["busy_tps"] == pytest.approx(2.0)
+    assert seen["need_tps"] == 55.0 and seen["load"] == pytest.approx(27.5)
+    assert load_seen(records, slots=3)["load"] is None  # never three at once
+    by_rate = stall_by_rate(records)
+    assert list(by_rate) == ["10", "20"]  # the failed request has no stall to count
+    assert by_rate["20"] == {"requests": 2, "stall_s_mean": 1.0, "stall_s_max": 1.5}
 
 
 def test_both_benches_rotate_the_order_with_the_seed():

@@ -19,7 +19,9 @@ every slot of every engine streaming at once; together: every app at once,
 their mean) and sizes the workload to F x that, so one command means the
 same contention on any machine: a burst's readers together read F x
 capacity, and are at least twice the engines' slots (`--readers-per-slot`),
-slower where needed, since readers outnumber a GPU's slots.
+slower where needed, since readers outnumber a GPU's slots. Each result
+records the load the run then met (`load_seen`), as the machine's speed
+can drift between the calibration and the run.
 
 OUT gets requests-<policy>.jsonl, summary.json (the schema of `tokenflow
 bench`, plus SLO goodput and vLLM's benchmark fields under its names),
@@ -30,6 +32,7 @@ serve-together.log) and the same plots as `tokenflow bench`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import copy
 import json
 import math
@@ -473,7 +476,47 @@ def summarize(records: list[dict], max_tokens: int, slo_ttft: float, slo_stall: 
     res.update(_ms_stats([x for r in full for x in r["tbt_s"]], "itl"))
     res.update(_ms_stats([r["total_s"] for r in full], "e2el"))
     res["effective_lost"] = effective_lost(records)
+    res["stall_by_rate"] = stall_by_rate(records)
     return res
+
+
+def stall_by_rate(records: list[dict]) -> dict:
+    """Each reading rate's stalls: a policy that shares slots among more
+    readers than fit can leave the fastest readers, whose rate is near what
+    one stream decodes, short, where the mean stall hides them."""
+    by_rate: dict[str, list[float]] = {}
+    for r in records:
+        if r["ok"]:
+            by_rate.setdefault(f"{r['rate']:.4g}", []).append(r["stall_s"])
+    return {rate: {"requests": len(xs), "stall_s_mean": statistics.fmean(xs), "stall_s_max": max(xs)}
+            for rate, xs in sorted(by_rate.items(), key=lambda kv: float(kv[0]))}
+
+
+def load_seen(records: list[dict], slots: int) -> dict:
+    """The load the run met, beside the one the calibration set: the
+    readers' need (their rates summed) over what the app decoded while at
+    least `slots` streams were mid-answer (first token in, last not yet),
+    i.e. with every engine slot streaming, as in the calibration. The
+    machine's speed can drift between the calibration and the run; on a
+    2-core VM it moved by a third. None when the slots were never all busy."""
+    live = [r["arrivals_s"] for r in records if r.get("arrivals_s")]
+    edges = sorted([(a[0], 1) for a in live] + [(a[-1], -1) for a in live])
+    busy, n = [], 0
+    for (t, step), (t_next, _) in zip(edges, edges[1:]):
+        n += step
+        if n >= slots and t_next > t:
+            busy.append((t, t_next))
+    starts = [a for a, _ in busy]
+    tokens = 0
+    for arrivals in live:
+        for t in arrivals:
+            i = bisect.bisect_right(starts, t) - 1
+            tokens += i >= 0 and t < busy[i][1]
+    if not tokens:
+        return {"busy_s": 0.0, "busy_tps": None, "need_tps": None, "load": None}
+    span = sum(b - a for a, b in busy)
+    need = sum(r["rate"] for r in records)
+    return {"busy_s": span, "busy_tps": tokens / span, "need_tps": need, "load": need / (tokens / span)}
 
 
 def plot_records(records: list[dict]) -> list[dict]:
@@ -510,6 +553,7 @@ def run_bench_app(out_dir: str, config: str, wl: AppWorkload, policies=POLICIES,
     results = {}
     for policy in order:
         results[policy] = summarize(records[policy], wl.max_tokens, slo_ttft, slo_stall)
+        results[policy]["load_seen"] = load_seen(records[policy], served[policy]["slots"])
         # Totals since the app started, the calibration's steps included;
         # `received`: this run's requests only.
         results[policy]["scheduler_stats"] = counters[policy]
@@ -565,7 +609,8 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
             t0 = time.monotonic()
             with RoutingRecorder({policy: app.first_url}, out, record_routing):
                 records[policy] = drive(app, wl, policy, timeout, metrics)
-            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, **priority_of(app)}
+            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, "slots": slots(doc),
+                              **priority_of(app)}
             counters[policy] = engine_counters(app.first_url, received0, pushed_after=time.time())
     return records, counters, served, calibration, wl
 
@@ -596,7 +641,8 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
         with RoutingRecorder(urls, out, record_routing):
             records = drive_apps(urls, app.model, wl, timeout, metrics)
         run_s = time.monotonic() - t0
-        served = {p: {"config": path.name, "run_s": run_s, **priority_of(app)} for p in order}
+        app_slots = slots({"applications": doc["applications"][:1]})
+        served = {p: {"config": path.name, "run_s": run_s, "slots": app_slots, **priority_of(app)} for p in order}
         now = time.time()
         counters = {p: engine_counters(url, received0[p], pushed_after=now) for p, url in urls.items()}
     return records, counters, served, calibration, wl
