@@ -135,11 +135,18 @@ def test_parse_rates():
             parse_rates(bad)
 
 
-def test_draw_rates_follow_weights():
-    draws = draw_rates(parse_rates("10:0.5,20:0.3,40:0.2"), 10_000, seed=3)
-    share = {v: draws.count(v) / len(draws) for v in (10, 20, 40)}
-    assert share == pytest.approx({10: 0.5, 20: 0.3, 40: 0.2}, abs=0.03)
-    assert draws == draw_rates(parse_rates("10:0.5,20:0.3,40:0.2"), 10_000, seed=3)
+def test_draw_rates_give_each_rate_its_share_in_a_seeded_order():
+    mix = parse_rates("10:0.5,20:0.3,40:0.2")
+    for n in (1, 7, 64, 10_000):
+        draws = draw_rates(mix, n, seed=3)
+        counts = {v: draws.count(v) for v in (10, 20, 40)}
+        assert sum(counts.values()) == n
+        # each rate's count is its quota rounded up or down: the readers need the mix's mean rate
+        assert all(abs(counts[v] - w * n) < 1 for v, w in mix), (n, counts)
+        assert draws == draw_rates(mix, n, seed=3)
+    assert draw_rates(mix, 64, seed=4) != draw_rates(mix, 64, seed=3)  # the seed picks who reads at which rate
+    assert sorted(draw_rates(mix, 64, seed=4)) == sorted(draw_rates(mix, 64, seed=3))
+    assert draw_rates(parse_rates("10:1,30:0"), 3) == [10, 10, 10]
 
 
 def test_burst_shapes():
