@@ -515,8 +515,8 @@ def load_seen(records: list[dict], slots: int) -> dict:
     if not tokens:
         return {"busy_s": 0.0, "busy_tps": None, "need_tps": None, "load": None}
     span = sum(b - a for a, b in busy)
-    need = sum(r["rate"] for r in records)
-    return {"busy_s": span, "busy_tps": tokens / span, "need_tps": need, "load": need / (tokens / span)}
+    need, busy_tps = sum(r["rate"] for r in records), tokens / span
+    return {"busy_s": span, "busy_tps": busy_tps, "need_tps": need, "load": need / busy_tps}
 
 
 def plot_records(records: list[dict]) -> list[dict]:
@@ -597,8 +597,8 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
         path = out / f"app-{policy}.yaml"
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         with ServedApp(path, out / f"serve-{policy}.log", ready_timeout, app_nice) as app:
+            app_slots = slots(doc)
             if wl.load and calibration is None:
-                app_slots = slots(doc)
                 calibration = calibrate({policy: app.first_url}, app.model, app_slots, calibration_tokens,
                                         wl.prompt, timeout)
                 calibration.update(load=wl.load, measured_with=policy)
@@ -609,7 +609,7 @@ def run_in_turn(out: Path, config_path: Path, wl: AppWorkload, order: list[str],
             t0 = time.monotonic()
             with RoutingRecorder({policy: app.first_url}, out, record_routing):
                 records[policy] = drive(app, wl, policy, timeout, metrics)
-            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, "slots": slots(doc),
+            served[policy] = {"config": path.name, "run_s": time.monotonic() - t0, "slots": app_slots,
                               **priority_of(app)}
             counters[policy] = engine_counters(app.first_url, received0, pushed_after=time.time())
     return records, counters, served, calibration, wl
@@ -630,18 +630,17 @@ def run_together(out: Path, config_path: Path, wl: AppWorkload, order: list[str]
         for url in urls.values():
             if not launcher.wait_until_ready(url, app.model, ready_timeout, app.proc):
                 raise RuntimeError(f"{url} did not answer within {ready_timeout:.0f} s; see {app.log_path}")
+        app_slots = slots({"applications": doc["applications"][:1]})  # each app's
         if wl.load:
-            per_app_slots = slots({"applications": doc["applications"][:1]})
-            calibration = calibrate(urls, app.model, per_app_slots, calibration_tokens, wl.prompt, timeout)
+            calibration = calibrate(urls, app.model, app_slots, calibration_tokens, wl.prompt, timeout)
             calibration.update(load=wl.load, measured_with="together")
-            wl = wl.at_load(calibration["decode_tps"], per_app_slots)
+            wl = wl.at_load(calibration["decode_tps"], app_slots)
             print_calibration(calibration, wl)
         now = time.time()
         t0, received0 = time.monotonic(), {p: received_by_engine(url, pushed_after=now) for p, url in urls.items()}
         with RoutingRecorder(urls, out, record_routing):
             records = drive_apps(urls, app.model, wl, timeout, metrics)
         run_s = time.monotonic() - t0
-        app_slots = slots({"applications": doc["applications"][:1]})
         served = {p: {"config": path.name, "run_s": run_s, "slots": app_slots, **priority_of(app)} for p in order}
         now = time.time()
         counters = {p: engine_counters(url, received0[p], pushed_after=now) for p, url in urls.items()}
