@@ -35,6 +35,13 @@ message, and every layer a message crosses then costs more per token. The
 bench counts the messages as the client saw them (a stream's tokens that
 arrive together) and also reports our layers' CPU per message.
 
+`--together` sends each round's two bursts at the same moment instead, so
+that both apps meet the same machine: on a VM whose speed drifts between
+bursts, the ratios then compare two apps under one condition rather than
+two moments. Each app's processes are booked to it as before; what both
+share (the proxy, the controller, Ray's own processes, the one client)
+goes into a `shared` entry of the round instead of either app's row.
+
 OUT gets app.yaml (what was served), serve.log, summary.json.
 """
 
@@ -69,6 +76,8 @@ STOCK_PREFIX = "/stock"
 OWN_LAYERS = {OURS: ("ingress", "replica", "router", "pool"), STOCK: ("ingress", "replica")}
 ROLES = ("proxy", "ingress", "replica", "engine_core", "model_workers", "router", "pool", "controller",
          "ray_system", "client")
+# Roles whose processes serve both apps (and the bench's one client).
+SHARED_ROLES = ("proxy", "controller", "ray_system", "client")
 _REPLICA = re.compile(r"ServeReplica:([^:\s]+):([A-Za-z0-9_]+)")
 
 
@@ -198,12 +207,14 @@ def cpu_seconds(procs: list[Proc]) -> dict[int, float]:
     return out
 
 
-def by_role(procs: list[Proc], before: dict[int, float], after: dict[int, float], app: str) -> dict[str, float]:
+def by_role(procs: list[Proc], before: dict[int, float], after: dict[int, float], app: str | None,
+            shared: bool = True) -> dict[str, float]:
     """CPU seconds per role spent between the readings by `app`'s processes
-    and the shared ones."""
-    out = dict.fromkeys(ROLES, 0.0)
+    and (`shared`) the ones both apps share (without: no entry for their
+    roles); app None: the shared ones alone."""
+    out = dict.fromkeys(ROLES if shared or app is None else [r for r in ROLES if r not in SHARED_ROLES], 0.0)
     for p in procs:
-        if p.app not in (None, app) or p.pid not in after:
+        if not (p.app == app or (shared and p.app is None)) or p.pid not in after:
             continue
         out[p.role] += after[p.pid] - before.get(p.pid, 0.0)
     return out
@@ -211,20 +222,44 @@ def by_role(procs: list[Proc], before: dict[int, float], after: dict[int, float]
 
 # --- one burst ------------------------------------------------------------------------
 
-def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: float) -> list[dict]:
-    """`requests` streaming answers at once. The bodies state no reading rate
-    (stock Ray Serve LLM knows none; TokenFlow assumes its default) and ask
-    for usage at the end only, as a client that does not know TokenFlow
-    sends them (vLLM's own benchmark client does)."""
-    rate = 10000.0  # the client's reader model only: it reads as fast as tokens come
+# The client's reader model only: it reads as fast as tokens come.
+CLIENT_RATE = 10000.0
+
+
+def burst_bodies(model: str, requests: int, max_tokens: int) -> list[dict]:
+    """`requests` streaming chat bodies that state no reading rate (stock
+    Ray Serve LLM knows none; TokenFlow assumes its default) and ask for
+    usage at the end only, as a client that does not know TokenFlow sends
+    them (vLLM's own benchmark client does)."""
     bodies = []
     for i in range(requests):
-        body = http_reader.chat_body(model, f"Tell the story of reader {i}.", max_tokens, rate)
+        body = http_reader.chat_body(model, f"Tell the story of reader {i}.", max_tokens, CLIENT_RATE)
         body.pop("consumption_rate")
         body["stream_options"] = {"include_usage": True}
         bodies.append(body)
-    return asyncio.run(http_reader.run_schedule(base_url, bodies, [rate] * requests, [0.0] * requests, timeout,
-                                                None, launcher.api_key_from_env()))
+    return bodies
+
+
+def _schedule(base_url: str, bodies: list[dict], timeout: float):
+    n = len(bodies)
+    return http_reader.run_schedule(base_url, bodies, [CLIENT_RATE] * n, [0.0] * n, timeout, None,
+                                    launcher.api_key_from_env())
+
+
+def burst(base_url: str, model: str, requests: int, max_tokens: int, timeout: float) -> list[dict]:
+    """`requests` streaming answers at once (burst_bodies)."""
+    return asyncio.run(_schedule(base_url, burst_bodies(model, requests, max_tokens), timeout))
+
+
+def bursts(urls: dict[str, str], model: str, requests: int, max_tokens: int, timeout: float) -> dict[str, list[dict]]:
+    """The same burst to every app of `urls` (name -> base URL) at the same
+    moment, from one client; records by app."""
+    bodies = burst_bodies(model, requests, max_tokens)
+
+    async def all_apps():
+        return await asyncio.gather(*(_schedule(url, bodies, timeout) for url in urls.values()))
+
+    return dict(zip(urls, asyncio.run(all_apps())))
 
 
 # Ray Serve LLM sends a stream's tokens in messages, one per
@@ -280,17 +315,47 @@ def beyond_idle(cpu: dict[str, float], idle: dict[str, float], wall: float, toke
 
 def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: int, max_tokens: int,
             timeout: float, idle: dict[str, float] | None = None) -> dict:
+    """One burst to `app` alone; its row."""
     routed0 = received_by_engine(base_url, pushed_after=time.time()) if app == OURS else {}
     before, client0, t0 = cpu_seconds(procs), time.process_time(), time.monotonic()
     records = burst(base_url, model, requests, max_tokens, timeout)
     wall, client = time.monotonic() - t0, time.process_time() - client0
     after = cpu_seconds(procs)
-    if app == OURS:
-        routed = {e: n - routed0.get(e, 0) for e, n in received_by_engine(base_url, pushed_after=time.time()).items()}
-    else:
-        routed = None  # stock Ray Serve LLM does not say
     cpu = by_role(procs, before, after, app)
     cpu["client"] = client
+    return row_of(app, records, cpu, wall, requests, idle, _routed(app, base_url, routed0))
+
+
+def measure_together(urls: dict[str, str], model: str, procs: list[Proc], requests: int, max_tokens: int,
+                     timeout: float, idle: dict[str, dict[str, float]]) -> tuple[list[dict], dict]:
+    """One burst to each app at the same moment; their rows (each app's own
+    processes only), and what the processes both share spent (the client
+    included), by role."""
+    routed0 = received_by_engine(urls[OURS], pushed_after=time.time())
+    before, client0, t0 = cpu_seconds(procs), time.process_time(), time.monotonic()
+    records = bursts(urls, model, requests, max_tokens, timeout)
+    wall, client = time.monotonic() - t0, time.process_time() - client0
+    after = cpu_seconds(procs)
+    rows = [row_of(app, records[app], by_role(procs, before, after, app, shared=False), wall, requests, idle[app],
+                   _routed(app, url, routed0))
+            for app, url in urls.items()]
+    shared = {k: v for k, v in by_role(procs, before, after, None).items() if k in SHARED_ROLES}
+    shared["client"] = client
+    return rows, shared
+
+
+def _routed(app: str, base_url: str, before: dict[str, int]) -> list[int] | None:
+    """Requests per engine since `before` (ours only: stock Ray Serve LLM does not say)."""
+    if app != OURS:
+        return None
+    routed = {e: n - before.get(e, 0) for e, n in received_by_engine(base_url, pushed_after=time.time()).items()}
+    return sorted(routed.values(), reverse=True) or None
+
+
+def row_of(app: str, records: list[dict], cpu: dict[str, float], wall: float, requests: int,
+           idle: dict[str, float] | None, routed: list[int] | None) -> dict:
+    """A burst's row: throughput and TTFT from the client's token times,
+    CPU by role per 1,000 tokens and per message."""
     ok = [r for r in records if r["ok"]]
     tokens = sum(r["tokens"] or 0 for r in ok)
     first = min((r["sent_s"] for r in records), default=0.0)
@@ -298,7 +363,7 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     per_1k = {k: 1000 * v / tokens if tokens else None for k, v in cpu.items()}
     own = sum(cpu[k] for k in OWN_LAYERS[app])
-    load = beyond_idle(cpu, idle or {}, wall, tokens)
+    load = beyond_idle(cpu, idle or {}, wall, tokens)  # the roles in `cpu` only
     sent = sum(messages(r["arrivals_s"]) for r in ok)
     return {"app": app, "requests": requests, "failed": len(records) - len(ok), "tokens": tokens,
             "wall_s": wall, "output_throughput": tokens / (last - first) if last > first else 0.0,
@@ -306,7 +371,7 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
             "p99_ttft_ms": 1000 * percentile(ttfts, 0.99) if ttfts else None,
             "cpu_s": cpu, "cpu_s_per_1k_tokens": per_1k,
             # requests per engine (ours only): an uneven split ends a burst later
-            "routed": sorted(routed.values(), reverse=True) if routed else routed,
+            "routed": routed,
             "own_layers": list(OWN_LAYERS[app]),
             "own_cpu_s_per_1k_tokens": 1000 * own / tokens if tokens else None,
             "cpu_s_per_1k_tokens_beyond_idle": load,
@@ -319,13 +384,14 @@ def measure(app: str, base_url: str, model: str, procs: list[Proc], requests: in
 def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_tokens: int = 512, rounds: int = 3,
                       engines: int | None = None, port: int | None = None, warmup: int = 8,
                       timeout: float = 600.0, ready_timeout: float = 600.0, app_nice: int = 10,
-                      app_args: dict | None = None, idle_s: float = 5.0, progress=None) -> dict:
+                      app_args: dict | None = None, idle_s: float = 5.0, together: bool = False,
+                      progress=None) -> dict:
     out, config_path, port = bench_paths(out_dir, config, port)
     doc = combined_config(config_path, port, requests, engines, app_args)
     our_name = doc["applications"][0]["name"]
     path = out / "app.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    rows = []
+    rows, shared_cpu = [], []
     with ServedApp(path, out / "serve.log", ready_timeout, app_nice) as served:
         urls = {OURS: served.base_url, STOCK: served.base_url + STOCK_PREFIX}
         if not launcher.wait_until_ready(urls[STOCK], served.model, ready_timeout, served.proc):
@@ -339,22 +405,32 @@ def run_bench_serving(out_dir: str, config: str, *, requests: int = 60, max_toke
             print(f"tokenflow bench-serving: warning: the engines still worked after {idle_readings} idle readings; "
                   "the idle rates and the figures beyond them include that work", file=sys.stderr)
         for i in range(rounds):
-            order = (OURS, STOCK) if i % 2 == 0 else (STOCK, OURS)
-            for app in order:
-                time.sleep(1.0)  # the previous burst's tail (pushes, logs) settles
-                row = measure(app, urls[app], served.model, procs, requests, max_tokens, timeout, idle[app])
+            if together:
+                time.sleep(1.0)
+                pair, shared = measure_together(urls, served.model, procs, requests, max_tokens, timeout, idle)
+                shared_cpu.append({"round": i, "cpu_s": shared})
+            else:
+                order = (OURS, STOCK) if i % 2 == 0 else (STOCK, OURS)
+                pair = []
+                for app in order:
+                    time.sleep(1.0)  # the previous burst's tail (pushes, logs) settles
+                    pair.append(measure(app, urls[app], served.model, procs, requests, max_tokens, timeout, idle[app]))
+            for row in pair:
                 row["round"] = i
                 rows.append(row)
                 if progress is not None:
                     progress(row)
     summary = {"workload": {"config": str(config), "requests": requests, "max_tokens": max_tokens,
                             "rounds": rounds, "engines": engines, "app_nice": app_nice, "warmup": warmup,
-                            "idle_s": idle_s,
+                            "idle_s": idle_s, "together": together,
                             "app_args": app_args or {},
-                            "method": "both apps in one serve run; each burst alone on the machine; per-process "
-                                      "CPU time (user+system) read before and after it"},
+                            "method": "both apps in one serve run; "
+                                      + ("both apps' bursts at the same moment; each app's processes booked to it, "
+                                         "the shared ones (proxy, controller, Ray, client) apart"
+                                         if together else "each burst alone on the machine")
+                                      + "; per-process CPU time (user+system) read before and after it"},
                "idle_cpu_s_per_s": idle, "idle_readings": idle_readings, "idle_engines_idle": idle_settled,
-               "rows": rows, "ratios": ratios(rows)}
+               "rows": rows, "shared_cpu_s": shared_cpu, "ratios": ratios(rows)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -401,7 +477,7 @@ def table(summary: dict) -> str:
     med = functools.partial(_median_over_rounds, summary)
 
     for role in ROLES:
-        cells = [med(app, lambda r: r["cpu_s_per_1k_tokens"][role]) for app in (OURS, STOCK)]
+        cells = [med(app, lambda r: r["cpu_s_per_1k_tokens"].get(role)) for app in (OURS, STOCK)]
         lines.append(f"| {role} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     for label, f in (("own layers", lambda r: r["own_cpu_s_per_1k_tokens"]),
                      ("tokens per message", lambda r: r["tokens_per_message"]),
@@ -427,7 +503,7 @@ def idle_table(summary: dict) -> str:
         return " / ".join("-" if x is None else f"{x:.3f}" for x in xs)
 
     for role in ROLES:
-        beyond = [med(app, lambda r: r["cpu_s_per_1k_tokens_beyond_idle"][role]) for app in (OURS, STOCK)]
+        beyond = [med(app, lambda r: r["cpu_s_per_1k_tokens_beyond_idle"].get(role)) for app in (OURS, STOCK)]
         lines.append(f"| {role} | {cells([idle[app][role] for app in (OURS, STOCK)])} | {cells(beyond)} |")
     own_idle = [sum(idle[app][k] for k in OWN_LAYERS[app]) for app in (OURS, STOCK)]
     own_beyond = [med(app, lambda r: r["own_cpu_s_per_1k_tokens_beyond_idle"]) for app in (OURS, STOCK)]
@@ -452,6 +528,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--idle-s", type=float, default=5.0,
                         help="seconds of both apps idle, before the bursts, to read each role's CPU per second "
                              "apart from what it spends per token")
+    parser.add_argument("--together", action="store_true",
+                        help="send each round's burst to both apps at the same moment (both meet the same "
+                             "machine; the shared processes are booked apart)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--out", default="out/bench-serving")
 
@@ -481,7 +560,7 @@ def run(args) -> int:
         summary = run_bench_serving(args.out, args.config, requests=args.requests, max_tokens=args.max_tokens,
                                     rounds=args.rounds, engines=args.engines, port=args.port,
                                     ready_timeout=args.ready_timeout, app_nice=args.app_nice, app_args=app_args,
-                                    idle_s=args.idle_s, progress=progress)
+                                    idle_s=args.idle_s, together=args.together, progress=progress)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"tokenflow bench-serving: error: {e}", file=sys.stderr)
         return 1
