@@ -838,6 +838,34 @@ for _ in range(12):  # 3 s of long polls, as an ingress's follow loop makes them
 out["followed_stays"] = fname in named(fname)
 out["followed_gone_after"] = gone(fname)  # and goes once nobody polls it
 board.kill_app_actors("idle")  # the board the relay forwarded to (default settings: a minute)
+# An engine whose board is killed under it finds out from its pushes (at
+# most PUSH_CHECK_S later) and creates the board again.
+import asyncio
+from tokenflow.serve.kv_pool import KVPoolSettings
+from tokenflow.serve.routing import agent
+from tokenflow.serve.streams import EngineTracker
+
+eng = agent.EngineAgent(EngineTracker(), old, KVPoolSettings(enabled=False), app_name="again", engine_id="e1")
+
+def ticks(seconds):  # the push loop's rounds, every push interval
+    for _ in range(int(seconds / old.push_interval_s)):
+        asyncio.run(eng._push())
+        time.sleep(old.push_interval_s)
+
+ticks(1.0)
+time.sleep(0.5)  # the last pushes (never awaited) have landed
+again = board.get_board("again", 0, old)
+out["again_pushes"] = ray.get(again.stats.remote(), timeout=60)["pushes"]
+board.kill_app_actors("again")
+killed_at = time.monotonic()
+out["again_gone"] = gone(board.board_name("again", 0, old), within=10)  # ray.kill is asynchronous
+while not named(board.board_name("again", 0, old)) and time.monotonic() - killed_at < 10:
+    ticks(0.1)
+out["again_back_s"] = time.monotonic() - killed_at
+ticks(1.0)
+time.sleep(0.5)
+out["again_pushes_after"] = ray.get(board.get_board("again", 0, old).stats.remote(), timeout=60)["pushes"]
+board.kill_app_actors("again")
 ray.shutdown()
 print("RESULT " + json.dumps(out))
 """
@@ -850,7 +878,7 @@ def test_boards_and_relays_are_per_router_settings_and_leave_when_unused():
     block gets its own instead of the first settings' ones;
     kill_app_actors/kill_relays remove those of any settings; a board or a
     relay no engine pushes to any more removes itself, but not a board an
-    ingress still follows."""
+    ingress still follows; an engine whose board was killed creates it again."""
     import subprocess
     import sys
 
@@ -865,6 +893,10 @@ def test_boards_and_relays_are_per_router_settings_and_leave_when_unused():
     assert out["killed"] == [True, 2] and out["left"] == [], out
     assert out["idle_gone"] == [True, True], out
     assert out["followed_stays"] and out["followed_gone_after"], out
+    # A killed board is back within seconds (pushes are checked once per PUSH_CHECK_S).
+    again = {k: v for k, v in out.items() if "again" in k}
+    assert out["again_pushes"] >= 2 and out["again_pushes_after"] >= 2, again
+    assert out["again_gone"] and out["again_back_s"] < 3.0, again
 
 
 APP = "tfcluster"

@@ -44,6 +44,9 @@ PUSH_AT_ONCE = ("running", "waiting", "unary", "stalled", "received_total", "slo
 # the metrics sample: each is then made only this often (the pool takes a
 # report as a sign of life within its engine_ttl_s, 30 s by default).
 QUIET_REFRESH_S = 2.0
+# Least time (s) between two checks that the pushes reach the router's board
+# (a dead board is then looked up again, i.e. recreated, this much later at most).
+PUSH_CHECK_S = 1.0
 
 
 class EngineAgent:
@@ -60,7 +63,8 @@ class EngineAgent:
         self.seq = 0
         self._router = None
         self._pool = None
-        self._last_push = None
+        self._last_push = None  # the latest push's ObjectRef, not yet checked
+        self._push_checked_at = -1e9
         self._last_pushed: tuple | None = None  # (its counts, its slack, when) of the last state pushed
         self._tasks: list[asyncio.Task] = []
         # async () -> SchedulerState | None: the TokenFlow scheduler's state
@@ -129,7 +133,6 @@ class EngineAgent:
             # The scheduler's decode meter knows the engine's capacity better
             # than the rate this replica happened to deliver.
             st.peak_tps = max(st.peak_tps, float(sched.decode_tps or 0.0))
-            st.scheduler = sched.router_summary()
         return st
 
     def kv_counters(self) -> dict:
@@ -176,12 +179,16 @@ class EngineAgent:
                                     self.tracker.tokens_total)
         self.metrics.sample_scheduler(self._fresh_sched())
 
-    def _check_last_push(self) -> None:
+    def _check_last_push(self, now: float) -> None:
         # A push we never awaited may have failed because the actor is gone
         # for good (e.g. killed): then look it up again (recreating it).
-        ref, self._last_push = self._last_push, None
-        if ref is None:
+        # Checked at most once per PUSH_CHECK_S: each check (ray.wait) cost
+        # a busy replica about a quarter of a push (docs/BENCHMARKS.md), and
+        # the latest push tells as well as all of them whether the actor lives.
+        ref = self._last_push
+        if ref is None or now - self._push_checked_at < PUSH_CHECK_S:
             return
+        self._last_push, self._push_checked_at = None, now
         ready, _ = ray.wait([ref], timeout=0)
         if ready:
             try:
@@ -190,6 +197,7 @@ class EngineAgent:
                 self._router = None
 
     async def _push(self) -> bool | None:
+        self._check_last_push(time.monotonic())  # first: it may drop the board's handle
         if self._router is None:
             s = self.router_settings
             if s.node_relay:  # the node's relay forwards to the boards; same push and forget calls
@@ -197,7 +205,6 @@ class EngineAgent:
             else:
                 self._router = await asyncio.to_thread(get_board, self.app_name,
                                                        shard_of(self.engine_id, s.board_shards), s)
-        self._check_last_push()
         if self._engine_dead():
             # Leave the slack routing at once (an idle dead engine would look
             # like the most slack), and stay out until Serve replaces us.
@@ -215,6 +222,9 @@ class EngineAgent:
         state = self.state()
         if not self._worth_pushing(state, time.monotonic()):
             return None
+        sched = self._fresh_sched()
+        if sched is not None:  # for people and the benches: built only for a state that goes out
+            state.scheduler = sched.router_summary()
         self._last_push = self._router.push.remote(state.to_dict())
 
     def _worth_pushing(self, st: EngineState, now: float) -> bool:
