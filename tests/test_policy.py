@@ -98,12 +98,37 @@ def test_unstressed_engine_is_left_alone():
     assert policy.decide(reqs, eng) is None
 
 
-def test_overload_falls_back_to_fcfs():
-    policy = TokenFlowPolicy(TokenFlowConfig())
+def test_overload_falls_back_to_fcfs_when_asked():
+    """With `overload_factor` set, readers who need more than that share of
+    the capacity are served in arrival order: the earliest take the slots,
+    paused ones included, and a later running reader pauses for them."""
+    policy = TokenFlowPolicy(TokenFlowConfig(overload_factor=1.0))
     reqs = [RequestView(f"r{i}", Phase.PAUSED, float(i), 40.0, 10.0, 10, 100, 30, 2, True) for i in range(5)]
     eng = EngineView(16, 100, 50, 8, decode_tps=100.0, step_rate=50.0)  # 5 x 40 tokens/s needed
     d = policy.decide(reqs, eng)
     assert d.fallback_fcfs and d.run == [f"r{i}" for i in range(5)]
+    # Two slots: the two earliest run; a later running reader, however
+    # little it holds, pauses holding its KV; the newcomer waits in vLLM's queue.
+    late = RequestView("late", Phase.RUNNING, 9.0, 40.0, 0.0, 10, 100, 30, 2, True)
+    new = RequestView("new", Phase.WAITING, 10.0, 40.0, 0.0, 0, 100, 20, 2)
+    d = policy.decide(reqs[:2] + [late, new], EngineView(16, 100, 50, 2, decode_tps=100.0, step_rate=50.0))
+    assert d.fallback_fcfs and d.run == ["r0", "r1"] and d.order == ["r0", "r1"]
+    assert d.pause_hold == ["late"] and d.wait == ["new"] and not d.pause_release
+
+
+def test_past_capacity_newcomers_still_get_first_tokens_by_default():
+    """No fallback unless asked: readers who need more than the engine
+    decodes keep the slots they hold against one another (swap share 0),
+    and a newcomer's first token still takes a full reader's place."""
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    assert policy.cfg.overload_factor is None
+    reqs = [RequestView(f"r{i}", Phase.RUNNING, float(i), 40.0, 200.0, 100, 1000, 130, 9, True) for i in range(2)]
+    reqs += [RequestView(f"p{i}", Phase.PAUSED, float(2 + i), 40.0, 300.0, 100, 1000, 130, 9, True) for i in range(3)]
+    reqs.append(RequestView("new", Phase.WAITING, 10.0, 40.0, 0.0, 0, 1000, 30, 2))
+    eng = EngineView(16, 100, 50, 2, decode_tps=100.0, step_rate=50.0)  # 6 x 40 tokens/s needed
+    d = policy.decide(reqs, eng)
+    assert d is not None and not d.fallback_fcfs and d.swap_share == 0.0
+    assert d.admit == ["new"] and len(d.run) == 1
 
 
 def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
@@ -244,10 +269,10 @@ def populations(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(populations(), st.sampled_from(["tokenflow", "andes"]))
-def test_decision_invariants(pop, name):
+@given(populations(), st.sampled_from(["tokenflow", "andes"]), st.sampled_from([None, 1.0]))
+def test_decision_invariants(pop, name, overload_factor):
     reqs, eng = pop
-    cfg = TokenFlowConfig(policy=name)
+    cfg = TokenFlowConfig(policy=name, overload_factor=overload_factor)
     policy = TokenFlowPolicy(cfg) if name == "tokenflow" else AndesPolicy(cfg)
     d = policy.decide(reqs, eng)
     if d is None:
@@ -259,13 +284,15 @@ def test_decision_invariants(pop, name):
     assert all(by_id[i].phase == Phase.WAITING for i in d.admit + d.defer + d.wait)
     assert all(by_id[i].phase != Phase.WAITING for i in d.run + d.pause_hold + d.pause_release)
     assert set(d.recompute) <= set(d.run)
-    if d.fallback_fcfs:
-        return
     on_device = d.run + d.admit
     assert len(on_device) <= eng.max_num_seqs
     blocks = sum(by_id[i].blocks for i in on_device)
     assert blocks <= eng.total_blocks or len(on_device) == 1
     assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
+    if d.fallback_fcfs:  # in arrival order
+        arrivals = [by_id[i].arrival_time for i in d.order]
+        assert arrivals == sorted(arrivals)
+        return
     if name == "tokenflow":
         pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng, d.swap_share)]
         # A reader at its resume level is owed room only beside the guarded ones.

@@ -21,8 +21,8 @@ Run `python -m tests.vllm_loop` for the burst table of stock, TokenFlow and
 Andes schedulers (pauses and TTFT in steps); `--decision-time` and
 `--step-overhead` time TokenFlow's decision and its per-step bookkeeping;
 `--burst-throughput` gives a burst's raw throughput on the fake clock, and
-`--effective [LOAD]` a burst's effective throughput (where its readers'
-weight is lost) on it.
+`--effective [LOAD] [--no-tier] [--tokenflow JSON]` a burst's effective
+throughput (where its readers' weight is lost) on it.
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def burst_throughput(requests: int = 64, max_tokens: int = 400, num_blocks: int 
 
 
 def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 512, slots: int = 64,
-                    host_tier: bool = True) -> list[dict]:
+                    host_tier: bool = True, tokenflow: dict | None = None) -> list[dict]:
     """Effective throughput of a burst on the fake clock, stock beside
     TokenFlow and Andes: `requests` readers at once, two per slot, reading
     at r, 2r and 4r tokens/s (half, 3 and 2 in ten of them) with r set so
@@ -449,8 +449,9 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     (tokenflow.core.buffer). The fake runner has no host KV tier; with
     `host_tier` the policy is told of one that reloads at the fake prefill
     speed (what a recompute costs here anyway), as the served app has one.
-    The same figures every run, so policies can be told apart from this
-    VM's noise."""
+    `tokenflow`: settings over the defaults for TokenFlow and Andes. The
+    same figures every run, so policies can be told apart from this VM's
+    noise."""
     from tokenflow.core.buffer import ReaderBuffer
     from tokenflow.engine import scheduler as sched_mod
 
@@ -468,8 +469,9 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     try:
         if host_tier:
             sched_mod.TokenFlowMixin.snapshot = with_tier
-        for name, cls, tf in (("stock", None, None), ("tokenflow", TF_SYNC, {"policy": "tokenflow"}),
-                              ("andes", TF_SYNC, {"policy": "andes"})):
+        settings = tokenflow or {}
+        for name, cls, tf in (("stock", None, None), ("tokenflow", TF_SYNC, {**settings, "policy": "tokenflow"}),
+                              ("andes", TF_SYNC, {**settings, "policy": "andes"})):
             loop = make_loop(cls, tf, async_scheduling=False, num_blocks=slots * (max_tokens + 64) // BLOCK * 2,
                              max_num_seqs=slots, max_num_batched_tokens=4096, max_model_len=2048)
             rng = random.Random(0)
@@ -578,10 +580,11 @@ if __name__ == "__main__":
     elif "--step-overhead" in sys.argv:
         print(json.dumps(step_overhead()))
     elif "--effective" in sys.argv:
-        # --effective [LOAD] [--no-tier]
+        # --effective [LOAD] [--no-tier] [--tokenflow JSON]
         i = sys.argv.index("--effective")
         load = float(sys.argv[i + 1]) if len(sys.argv) > i + 1 and not sys.argv[i + 1].startswith("-") else 0.5
-        for row in effective_burst(load, host_tier="--no-tier" not in sys.argv):
+        tf = json.loads(sys.argv[sys.argv.index("--tokenflow") + 1]) if "--tokenflow" in sys.argv else None
+        for row in effective_burst(load, host_tier="--no-tier" not in sys.argv, tokenflow=tf):
             print(json.dumps(row))
     elif "--burst-throughput" in sys.argv:
         for row in burst_throughput():

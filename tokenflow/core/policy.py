@@ -15,9 +15,15 @@ Steps, as in the paper:
     free sequence slots and KV blocks (less a growth headroom). Otherwise
     vLLM admits every newcomer in this very step and nothing needs to
     pause, so TokenFlow costs nothing when nothing contends.
- 2. Overload fallback: when the readers' required rates (each at most what
-    one running request gets) exceed the measured decode capacity, resume
-    everything in arrival order (FCFS).
+ 2. Overload fallback, off unless `overload_factor` is set: when the
+    readers' required rates (each at most what one running request gets)
+    exceed that share of the measured decode capacity, run in arrival order
+    (FCFS): the earliest arrivals, paused readers included, take the slots
+    and KV, later ones pause for them. Off by default: at or past capacity
+    the swap share (step 4) is already 0, so no reader is swapped out for
+    another, and on vLLM's loop with a known capacity the fallback lost
+    first tokens and effective throughput at every load past it that was
+    tried (docs/BENCHMARKS.md, "The overload fallback, on a known capacity").
  3. Working set: W_static = floor(M / beta); when few run,
     W_scheduled = W_static - lambda * (W_static - N_running) bounds admission.
  4. Pinning, with a hysteresis made of costs, not tuned levels (`Levels`):
@@ -279,19 +285,6 @@ def swap_share(required: float, capacity: float | None) -> float:
     return spare / 2 if spare > 0.0 else 0.0
 
 
-def fcfs_decision(reqs: RequestColumns | list[RequestView]) -> Decision:
-    """Everyone runs or is admitted in arrival order, paused readers (who
-    arrived earlier) before newcomers; vLLM packs memory in that order."""
-    cols = _columns(reqs)
-    d = Decision(fallback_fcfs=True)
-    ids, waiting = cols.ids, cols.phase == WAITING
-    rows = np.argsort(cols.arrival_time, kind="stable")
-    d.order = _pick(ids, rows)
-    d.admit = _pick(ids, rows[waiting[rows]])
-    d.run = _pick(ids, rows[~waiting[rows]])
-    return d
-
-
 @dataclass(slots=True)
 class Keys:
     """The rank key of each candidate (steps 4 and 5), as arrays."""
@@ -316,8 +309,8 @@ class TokenFlowPolicy:
                              pool.waiting_blocks, eng.free_blocks, eng.total_blocks, eng.max_num_seqs)
         if not self.needs_decision(counts):
             return None
-        if eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
-            return fcfs_decision(cols)
+        if cfg.overload_factor is not None and eng.decode_tps and pool.required > cfg.overload_factor * eng.decode_tps:
+            return self.fcfs(cols, pool, eng)
         capacity = fitting_capacity(pool, eng, cfg.kv_headroom)
         share = swap_share(pool.required, capacity)
         budget = share * capacity * cfg.dt if capacity else 0.0
@@ -337,6 +330,18 @@ class TokenFlowPolicy:
 
     def needs_decision(self, q: QueueCounts) -> bool:
         return contended(q, self.cfg.kv_headroom)
+
+    def fcfs(self, cols: RequestColumns, pool: Pool, eng: EngineView) -> Decision:
+        """The overload fallback: every request in arrival order, paused
+        readers included, packed into the slots and KV as they come (one
+        that does not fit is passed over for later ones that do); running
+        readers left out pause for the earlier ones, holding their KV where
+        the chosen do not need it. Waiting ones left out stay in vLLM's
+        queue, which admits them in arrival order as room frees."""
+        by_arrival = np.argsort(cols.arrival_time, kind="stable")
+        d = self.to_decision(cols, pool, self.pack(cols, by_arrival, eng), by_arrival[:0], eng)
+        d.fallback_fcfs, d.swap_share = True, 0.0
+        return d
 
     # --- pieces -----------------------------------------------------------
     def fits_now(self, blocks_by_arrival: np.ndarray, n_running: int, eng: EngineView) -> int:
