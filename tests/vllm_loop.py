@@ -446,7 +446,8 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     at 4 ms + 0.2 ms a token: about 3,800 tokens/s, 60 a stream). Each
     token's time is the fake clock's at the step that made it, and its
     weight is the effective-throughput weight of its reader's buffer then
-    (tokenflow.core.buffer). The fake runner has no host KV tier; with
+    (tokenflow.core.buffer); each reader's stall after its first token and
+    its Andes QoE come from the same times. The fake runner has no host KV tier; with
     `host_tier` the policy is told of one that reloads at the fake prefill
     speed (what a recompute costs here anyway), as the served app has one.
     `tokenflow`: settings over the defaults for TokenFlow and Andes. The
@@ -486,10 +487,13 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
                 loop.step()
                 for k, v in loop.tokens.items():
                     times[k].extend([loop.clock.t] * (len(v) - seen[k]))
-            wall, tokens, weight, lost = loop.clock.t, 0, 0.0, {}
+            wall, tokens, weight, lost, stall, qoe = loop.clock.t, 0, 0.0, {}, 0.0, 0.0
             for k, ts in times.items():
-                w = sum(ReaderBuffer.replay(rates[k], 0.0, ts).weights())
+                reader = ReaderBuffer.replay(rates[k], 0.0, ts)
+                w = sum(reader.weights())
                 tokens, weight = tokens + len(ts), weight + w
+                # Stalls after the first token, until the last one came.
+                stall, qoe = stall + reader.stall_time(ts[-1]), qoe + reader.qoe()
                 lost[f"{rates[k]:.3g}"] = round(lost.get(f"{rates[k]:.3g}", 0.0) + len(ts) - w)
             first = sorted(ts[0] for ts in times.values())
             stats = getattr(loop.scheduler, "tf_stats", None)
@@ -497,6 +501,8 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
                          "tokens_per_s": round(tokens / wall), "effective_per_s": round(weight / wall),
                          "lost_share": round(1 - weight / tokens, 3), "lost_by_rate": lost,
                          "ttft_p99_s": round(first[int(0.99 * (len(first) - 1))], 3),
+                         "ttft_mean_s": round(sum(first) / len(first), 3),
+                         "stall_mean_s": round(stall / len(times), 3), "qoe_mean": round(qoe / len(times), 3),
                          "pauses": stats.pauses_hold + stats.pauses_release if stats else 0})
     finally:
         sched_mod.TokenFlowMixin.snapshot = snapshot
