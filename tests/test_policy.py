@@ -156,12 +156,13 @@ def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     assert first.admit == ["new"] and len(first.run) == 3 and "dry" not in first.run
 
 
-def test_at_capacity_a_reader_holding_more_than_is_worth_sending_gives_way():
-    """At capacity the guard keeps every running reader decoding against
-    readers at their resume level; not one whose next tokens are of no use
-    now (its buffer holds more than the part of the answer worth sending
-    ahead, U's `useful` is 0): a reader about to run dry takes its place,
-    and it pauses holding its KV."""
+def test_at_capacity_a_reader_gives_way_once_its_next_tokens_are_worth_less_than_a_dry_reader_s():
+    """At capacity the guard keeps a running reader decoding against
+    readers at their resume level only while its next interval's tokens
+    count as much as a dry reader's would (a full interval at the stream's
+    speed), less what the swap costs the batch. Past that, near the part of
+    the answer worth sending ahead (U's `useful` falls there), a reader
+    about to run dry takes its place, and it pauses holding its KV."""
     policy = TokenFlowPolicy(TokenFlowConfig(dt=0.1))
     # 4 slots at 100 tokens/s: 400 tokens/s fit; 500 tokens/s the best seen.
     eng = EngineView(16, 1000, 960, 4, decode_tps=500.0, step_rate=100.0, prefill_tps=1000.0,
@@ -173,15 +174,16 @@ def test_at_capacity_a_reader_holding_more_than_is_worth_sending_gives_way():
     at = policy.decide(running + [dry] + parked, eng)
     assert not at.fallback_fcfs and at.swap_share == 0.0
     assert sorted(at.run) == [f"run{i}" for i in range(4)]  # 30 tokens of the 200 worth sending: guarded
-    # One of them holds 210 tokens: past the 200 (a fifth of its answer) and what it reads in an interval.
-    full = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 210.0, 40, 1000, 100, 7, True)
+    # One of them holds 195 tokens: its next interval counts 6 tokens (up to
+    # 200, a fifth of its answer, plus the 1 it reads meanwhile), a dry
+    # reader's 10, and the swap costs about 2.3.
+    full = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 195.0, 40, 1000, 100, 7, True)
     d = policy.decide(running[:3] + [full, dry] + parked, eng)
     assert d.swap_share == 0.0 and sorted(d.run) == ["dry", "run0", "run1", "run2"] and d.pause_hold == ["run3"], d
     assert policy.rank_key(full, eng, 0.0)[0] == BY_PRIORITY
-    # Just under it (200 and the 1 token read in an interval), the guard holds.
-    under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 200.5, 40, 1000, 100, 7, True)
+    # At 192 it counts 9: more than the 10 less the swap's cost; the guard holds.
+    under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 192.0, 40, 1000, 100, 7, True)
     assert policy.rank_key(under, eng, 0.0)[0] == GUARDED
-
 
 def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
     """One slot, spare capacity, and two readers who both hold more than is

@@ -38,7 +38,9 @@ Steps, as in the paper:
     within the share of the engine swaps may take: half its spare capacity,
     the readers' need against what the batch that fits in KV decodes
     (`swap_share`). As the need nears capacity, readers run longer between
-    swaps; at capacity no reader is swapped out for another. A reader at
+    swaps. At capacity, where that share is 0, a reader keeps its slot
+    against readers at their resume level while its next interval counts
+    for as much as theirs would, less the swap's cost. A reader at
     its resume level may still take a guarded reader's place while the
     swaps so made this interval cost within that share of what the engine
     decodes in an interval (it would stall otherwise). A
@@ -276,9 +278,10 @@ def swap_share(required: float, capacity: float | None) -> float:
     batch a fixed amount of work, so the pause level asks a reader to run
     long enough between swaps to keep within this share. Half, so that what
     the engine delivers stays above what its readers need, with room for
-    the estimates' error. At or past capacity the share is 0: no reader
-    is swapped out for another, and readers keep the slots they hold, as
-    in the paper's FCFS fallback; newcomers still get their first tokens."""
+    the estimates' error. At or past capacity the share is 0: a reader
+    keeps its slot against readers run dry while its next tokens count for
+    as much as theirs would, less the swap's cost (`TokenFlowPolicy.keys`);
+    newcomers still get their first tokens."""
     if not capacity:
         return DEFAULT_SWAP_SHARE
     spare = 1.0 - required / capacity
@@ -530,11 +533,18 @@ class TokenFlowPolicy:
         # resume that this swap's cost stays within the share of the engine
         # swaps may take (the reader decodes about `bonus / share` tokens
         # between resume and pause), but never once its next tokens are of
-        # no use now: at capacity (share 0) the guard would keep it decoding
-        # while readers at their resume level run dry.
+        # no use now. At capacity (share 0) there is no share to spend: it
+        # is guarded while its next interval counts at least what a reader
+        # run dry would get from its slot (a full interval at a stream's
+        # speed), less what the swap costs. Near the part of the answer
+        # worth sending ahead its tokens count for less, and it gives way
+        # (docs/BENCHMARKS.md, "At capacity, a reader gives way when its
+        # next tokens count for less").
         guarded = running & (useful > 0.0)
         if share > 0.0:
             guarded &= b < resume_level + bonus / share
+        else:
+            guarded &= useful >= lv.step_rate * dt - bonus
         value = -(useful + gamma * np.exp(-b / rate) + bonus)
         tier = np.where(guarded, GUARDED, BY_PRIORITY).astype(np.int8)
         if work_end > 0.0:
