@@ -49,8 +49,9 @@ class TokenFlowConfig(Settings):
     overload_factor: Positive | None = Field(
         None, description="Fall back to FCFS (the paper's step 2: earliest arrivals first, later readers pause for "
                           "them) when the readers' rates together exceed this fraction of the measured decode "
-                          "capacity. None (the default): no fallback; past capacity no reader is swapped out for "
-                          "another, and newcomers still get their first tokens.")
+                          "capacity. None (the default): no fallback; past capacity a reader gives its slot to "
+                          "one run dry only once its own next tokens count for less, and newcomers still get "
+                          "their first tokens.")
     andes_window_s: Positive = Field(2.0, description="Andes: look-ahead window (s).")
     andes_running_bonus: NonNegative = Field(1.5, description="Andes: bonus for already-running requests.")
     andes_kv_trigger: Fraction = Field(0.9, description="Andes: the KV usage at which it starts to act.")

@@ -20,10 +20,11 @@ Steps, as in the paper:
     exceed that share of the measured decode capacity, run in arrival order
     (FCFS): the earliest arrivals, paused readers included, take the slots
     and KV, later ones pause for them. Off by default: at or past capacity
-    the swap share (step 4) is already 0, so no reader is swapped out for
-    another, and on vLLM's loop with a known capacity the fallback lost
-    first tokens and effective throughput at every load past it that was
-    tried (docs/BENCHMARKS.md, "The overload fallback, on a known capacity").
+    the swap share (step 4) is already 0, so a reader is swapped out for
+    another only once its own next tokens count for less, and on vLLM's
+    loop with a known capacity the fallback lost first tokens and
+    effective throughput at every load past it that was tried
+    (docs/BENCHMARKS.md, "The overload fallback, on a known capacity").
  3. Working set: W_static = floor(M / beta); when few run,
     W_scheduled = W_static - lambda * (W_static - N_running) bounds admission.
  4. Pinning, with a hysteresis made of costs, not tuned levels (`Levels`):
