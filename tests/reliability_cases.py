@@ -692,7 +692,8 @@ tests/test_host_shm.py::test_pool_default_size_stays_within_a_containers_memory_
   112 streams of 400 tokens at once: **64 served in full, 48 refused** with
   429, `Retry-After` and a JSON error; none cut, none hung; the app answers
   normally after. (21.7 s, 2026-11-29.)
-- TokenFlow's FCFS fallback (required rates above measured capacity) is
+- TokenFlow's FCFS fallback (required rates above `overload_factor` x
+  the measured capacity; off unless that is set) is
   counted in `ray_tokenflow_fallbacks_total` (Prometheus) and in each
   engine's scheduler summary.
 
