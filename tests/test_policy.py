@@ -117,9 +117,9 @@ def test_overload_falls_back_to_fcfs_when_asked():
 
 
 def test_past_capacity_newcomers_still_get_first_tokens_by_default():
-    """No fallback unless asked: readers who need more than the engine
-    decodes keep the slots they hold against one another (swap share 0),
-    and a newcomer's first token still takes a full reader's place."""
+    """No fallback unless asked: when the readers need more than the engine
+    decodes (swap share 0) the policy still ranks, and a newcomer's first
+    token takes the place of a reader holding what is worth sending ahead."""
     policy = TokenFlowPolicy(TokenFlowConfig())
     assert policy.cfg.overload_factor is None
     reqs = [RequestView(f"r{i}", Phase.RUNNING, float(i), 40.0, 200.0, 100, 1000, 130, 9, True) for i in range(2)]
@@ -184,6 +184,7 @@ def test_at_capacity_a_reader_gives_way_once_its_next_tokens_are_worth_less_than
     # At 192 it counts 9: more than the 10 less the swap's cost; the guard holds.
     under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 192.0, 40, 1000, 100, 7, True)
     assert policy.rank_key(under, eng, 0.0)[0] == GUARDED
+
 
 def test_spare_room_goes_to_a_reader_whose_answer_outlasts_the_work_in_hand():
     """One slot, spare capacity, and two readers who both hold more than is

@@ -528,8 +528,9 @@ class TokenFlowPolicy:
         # U's first term: the useful tokens in the next dt, at most one
         # request's speed, none once its reader holds more than the part of
         # the answer worth sending ahead.
+        full = lv.step_rate * dt  # what a slot decodes in an interval
         useful = EFFECTIVE_HIGH_FRACTION * cols.max_tokens - b + rate * dt
-        useful = np.minimum(np.maximum(useful, 0.0), lv.step_rate * dt)
+        useful = np.minimum(np.maximum(useful, 0.0), full)
         # Guarded from paused readers until it has decoded enough since its
         # resume that this swap's cost stays within the share of the engine
         # swaps may take (the reader decodes about `bonus / share` tokens
@@ -545,7 +546,7 @@ class TokenFlowPolicy:
         if share > 0.0:
             guarded &= b < resume_level + bonus / share
         else:
-            guarded &= useful >= lv.step_rate * dt - bonus
+            guarded &= useful >= full - bonus
         value = -(useful + gamma * np.exp(-b / rate) + bonus)
         tier = np.where(guarded, GUARDED, BY_PRIORITY).astype(np.int8)
         if work_end > 0.0:
