@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.policy_sim import SimEngine, SimRequest
 from tokenflow.core.andes import AndesPolicy
-from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
+from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION, EFFECTIVE_LOW_FRACTION
 from tokenflow.core.config import TokenFlowConfig, parse_rate
 from tokenflow.core.policy import (
     BY_PRIORITY,
@@ -174,15 +174,16 @@ def test_at_capacity_a_reader_gives_way_once_its_next_tokens_are_worth_less_than
     at = policy.decide(running + [dry] + parked, eng)
     assert not at.fallback_fcfs and at.swap_share == 0.0
     assert sorted(at.run) == [f"run{i}" for i in range(4)]  # 30 tokens of the 200 worth sending: guarded
-    # One of them holds 195 tokens: its next interval counts 6 tokens (up to
-    # 200, a fifth of its answer, plus the 1 it reads meanwhile), a dry
-    # reader's 10, and the swap costs about 2.3.
-    full = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 195.0, 40, 1000, 100, 7, True)
+    # One of them holds 125 tokens: its next interval's 10 tokens (it reads
+    # 1 meanwhile) arrive where a token's weight falls from 1 at a tenth of
+    # its answer (100) to 0 at a fifth, and count about 7.0 in all; a dry
+    # reader's count 10, and the swap costs about 2.3.
+    full = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 125.0, 40, 1000, 100, 7, True)
     d = policy.decide(running[:3] + [full, dry] + parked, eng)
     assert d.swap_share == 0.0 and sorted(d.run) == ["dry", "run0", "run1", "run2"] and d.pause_hold == ["run3"], d
     assert policy.rank_key(full, eng, 0.0)[0] == BY_PRIORITY
-    # At 192 it counts 9: more than the 10 less the swap's cost; the guard holds.
-    under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 192.0, 40, 1000, 100, 7, True)
+    # At 115 they count about 8.0: more than the 10 less the swap's cost; the guard holds.
+    under = RequestView("run3", Phase.RUNNING, 0.0, 10.0, 115.0, 40, 1000, 100, 7, True)
     assert policy.rank_key(under, eng, 0.0)[0] == GUARDED
 
 
@@ -352,14 +353,14 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         resume_level = rate * cfg.mu * (n * load + step + cfg.dt)
         if b < resume_level + rate * (cfg.dt + n * swap + step):
             return KEEP_RUNNING, b / rate
-        worth_sending = b < EFFECTIVE_HIGH_FRACTION * r.max_tokens + rate * cfg.dt  # U's `useful` > 0
-        if worth_sending and (share == 0 or b < resume_level + bonus / share):
+        useful = reference_worth(b, speed_dt, min(rate * cfg.dt, speed_dt), r.max_tokens)
+        if useful > 0 and (useful >= speed_dt - bonus if share == 0 else b < resume_level + bonus / share):
             tier = GUARDED
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
-    useful = min(speed_dt, max(0.0, EFFECTIVE_HIGH_FRACTION * r.max_tokens - b + rate * cfg.dt))
+    useful = reference_worth(b, speed_dt, min(rate * cfg.dt, speed_dt), r.max_tokens)
     # once the work in hand is known, a reader above its resume level takes
     # only the room newcomers and readers about to run dry leave: first the
     # readers who read on past the end of that work, longest first, then
@@ -370,6 +371,26 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
             return OUTLASTS, -reads_on / rate
         tier = SENT_AHEAD
     return tier, -(useful + cfg.gamma * math.exp(-b / rate) + bonus)
+
+
+def reference_worth(b, count, read, output_len):
+    """interval_worth() written plainly: the token weights (full up to a
+    tenth of the answer, falling to none at a fifth) summed over the
+    levels the buffer climbs through while `count` tokens come and `read`
+    are read."""
+    low, high = EFFECTIVE_LOW_FRACTION * output_len, EFFECTIVE_HIGH_FRACTION * output_len
+
+    def area(x):  # weight summed over levels 0..x
+        if x <= low:
+            return x
+        if x <= high:
+            return low + (x - low) - (x - low) ** 2 / (2 * (high - low))
+        return low + (high - low) / 2
+
+    rise = max(0.0, 1 - read / count)
+    if rise <= 1e-6:  # the level does not climb: each token at today's weight
+        return count * min(1.0, max(0.0, (high - b) / (high - low)))
+    return (area(b + count * rise) - area(b)) / rise
 
 
 @st.composite
@@ -407,17 +428,17 @@ def tied_populations(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(tied_populations(), st.sampled_from([0.0, 5.0, 100.0]))
-def test_rank_key_is_the_papers_rules(pop, work_end):
+@given(tied_populations(), st.sampled_from([0.0, 5.0, 100.0]), st.sampled_from([0.5, 0.05, 0.0]))
+def test_rank_key_is_the_papers_rules(pop, work_end, share):
     """The key over all rows at once equals the rules applied to each
     request alone (the value to within numpy's exp, an ulp from math's)."""
     reqs, eng, cfg = pop
     policy = TokenFlowPolicy(cfg)
-    expected = [reference_key(cfg, r, eng, work_end=work_end) for r in reqs]
-    keys = policy.keys(RequestColumns.of(reqs), eng, work_end=work_end)
+    expected = [reference_key(cfg, r, eng, share, work_end) for r in reqs]
+    keys = policy.keys(RequestColumns.of(reqs), eng, share, work_end)
     assert keys.tier.tolist() == [tier for tier, _ in expected]
     assert keys.value.tolist() == pytest.approx([value for _, value in expected], rel=1e-12, abs=1e-12)
-    assert [policy.rank_key(r, eng, work_end=work_end) for r in reqs] == \
+    assert [policy.rank_key(r, eng, share, work_end) for r in reqs] == \
         [(int(t), float(v)) for t, v in zip(keys.tier, keys.value)]
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Effective throughput (paper, Metrics): a token counts fully while the buffer
 # at its arrival is below LOW of the output length, falls linearly to zero at HIGH.
 EFFECTIVE_LOW_FRACTION = 0.10
@@ -31,6 +33,26 @@ def token_weight(buffer_tokens: float, output_len: int) -> float:
     if buffer_tokens >= high:
         return 0.0
     return (high - buffer_tokens) / (high - low)
+
+
+def interval_worth(level, count, read, output_len):
+    """What `count` tokens, sent evenly through an interval in which the
+    reader reads `read` of them, add to effective throughput when its
+    buffer starts the interval at `level`: their token_weight summed, each
+    at the level it arrives at. numpy arrays or numbers, element-wise."""
+    low = EFFECTIVE_LOW_FRACTION * output_len
+    high = EFFECTIVE_HIGH_FRACTION * output_len
+    span = np.maximum(high - low, 1e-9)
+
+    def area(x):  # the weight summed over a buffer climbing from 0 to x
+        over = np.clip(x - low, 0.0, span)
+        return np.minimum(x, low) + over - over * over / (2.0 * span)
+
+    # Each token sent lifts the level by what is not read meanwhile.
+    rise = np.maximum(1.0 - read / np.maximum(count, 1e-9), 0.0)
+    climbed = (area(level + count * rise) - area(level)) / np.maximum(rise, 1e-9)
+    flat = count * np.clip((high - level) / span, 0.0, 1.0)  # a level that does not climb
+    return np.where(rise > 1e-6, climbed, flat)
 
 
 def paper_token_weight(buffer_tokens: float, tau: float, alpha: float) -> float:

@@ -48,7 +48,8 @@ Steps, as in the paper:
     waiting request whose reader has begun (a stream continued from a lost
     engine, or one vLLM preempted) is a released pause: it jumps ahead of
     newcomers only when its buffer nears that level.
- 5. Priority: U_i = (useful tokens in the next dt) + gamma * exp(-b_i / r_i).
+ 5. Priority: U_i = (useful tokens in the next dt) + gamma * exp(-b_i / r_i),
+    the useful tokens weighed as effective throughput weighs them.
     The paper writes the penalty as a cost of *pausing*; ranking by the
     value of *running* adds it instead. A running request's U also counts
     the tokens the engine loses to swapping it out and back (the swap's
@@ -75,7 +76,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from tokenflow.core.buffer import EFFECTIVE_HIGH_FRACTION
+from tokenflow.core.buffer import interval_worth
 from tokenflow.core.columns import PAUSED, RUNNING, WAITING, Phase, RequestColumns, RequestView
 from tokenflow.core.config import TokenFlowConfig
 
@@ -525,12 +526,15 @@ class TokenFlowPolicy:
         else:
             bonus = (n * recompute + start) * batch_tps
         bonus = bonus * running
-        # U's first term: the useful tokens in the next dt, at most one
-        # request's speed, none once its reader holds more than the part of
-        # the answer worth sending ahead.
+        # U's first term: what the next interval's tokens (one request's
+        # speed) add to effective throughput, each weighed as the metric
+        # weighs it at the buffer it lands on (tokenflow.core.buffer): in
+        # full up to a tenth of the answer, falling to nothing at a fifth.
+        # (A step at the fifth kept readers decoding tokens that count for
+        # little: docs/BENCHMARKS.md, "U weighs the next tokens as the
+        # metric does".)
         full = lv.step_rate * dt  # what a slot decodes in an interval
-        useful = EFFECTIVE_HIGH_FRACTION * cols.max_tokens - b + rate * dt
-        useful = np.minimum(np.maximum(useful, 0.0), full)
+        useful = interval_worth(b, full, np.minimum(rate * dt, full), cols.max_tokens)
         # Guarded from paused readers until it has decoded enough since its
         # resume that this swap's cost stays within the share of the engine
         # swaps may take (the reader decodes about `bonus / share` tokens
