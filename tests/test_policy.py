@@ -131,6 +131,29 @@ def test_past_capacity_newcomers_still_get_first_tokens_by_default():
     assert d.admit == ["new"] and len(d.run) == 1
 
 
+def test_at_capacity_a_newcomer_s_first_token_goes_ahead_of_readers_with_something_to_read():
+    """Two readers run with a few tokens in hand, below their pause level,
+    and a newcomer waits. While the three need less than the engine
+    decodes, the readers keep their slots and the newcomer waits for one.
+    When they need more (the newcomer's reader counted with the others:
+    it reads as soon as it starts), someone's reader waits whatever is
+    chosen, and the newcomer's waits already: it takes the slot of the
+    reader holding more to read, which pauses keeping its KV."""
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    eng = EngineView(16, 100, 50, 2, decode_tps=100.0, step_rate=50.0)  # 2 slots at 50 tokens/s
+
+    def burst(rate):
+        running = [RequestView(f"r{i}", Phase.RUNNING, 0.0, 40.0, 5.0 * (i + 1), 10, 1000, 50, 4, True)
+                   for i in range(2)]
+        return running + [RequestView("new", Phase.WAITING, 1.0, rate, 0.0, 0, 1000, 40, 3)]
+
+    under = policy.decide(burst(10.0), eng)  # 90 of 100 tokens/s
+    assert under.swap_share > 0.0 and sorted(under.run) == ["r0", "r1"] and under.wait == ["new"], under
+    past = policy.decide(burst(40.0), eng)  # 120 of 100: the two readers alone need 80
+    assert past.swap_share == 0.0 and past.admit == ["new"] and past.run == ["r0"], past
+    assert past.pause_hold == ["r1"] and past.order == ["new", "r0"]
+
+
 def test_swaps_grow_rarer_as_the_readers_need_nears_what_fits():
     """A reader at its resume level takes the slot of a running reader with
     3 s of buffer while the readers need little of what the engine decodes;
@@ -299,12 +322,15 @@ def test_decision_invariants(pop, name, overload_factor):
         return
     if name == "tokenflow":
         pinned = [r for r in reqs if r.phase != Phase.WAITING and policy.must_run(r, eng, d.swap_share)]
+        # At capacity a newcomer not deferred must run too, ahead of them.
+        first = [r for r in reqs if r.phase == Phase.WAITING and r.req_id not in d.defer
+                 and policy.must_run(r, eng, d.swap_share)]
         # A reader at its resume level is owed room only beside the guarded ones.
         guarded = [r for r in reqs if policy.rank_key(r, eng, d.swap_share)[0] == GUARDED]
         grow = math.ceil((eng.step_rate or 1.0) * cfg.dt / eng.block_size)
-        need = sum(r.blocks + grow for r in pinned + guarded)
+        need = sum(r.blocks + grow for r in pinned + guarded) + sum(r.blocks for r in first)
         budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
-        if len(pinned) + len(guarded) <= eng.max_num_seqs and need <= budget:
+        if len(pinned) + len(first) + len(guarded) <= eng.max_num_seqs and need <= budget:
             assert {r.req_id for r in pinned} <= set(d.run), "a reader about to run dry was paused"
 
 
@@ -356,6 +382,8 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         useful = reference_worth(b, speed_dt, min(rate * cfg.dt, speed_dt), r.max_tokens)
         if useful > 0 and (useful >= speed_dt - bonus if share == 0 else b < resume_level + bonus / share):
             tier = GUARDED
+    elif share == 0 and r.phase is Phase.WAITING and not r.reading:
+        return KEEP_RUNNING, 0.0  # at capacity a newcomer must run as a reader with nothing to read
     elif r.phase is Phase.PAUSED or r.reading:  # a waiting reader: a released pause
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):

@@ -50,8 +50,8 @@ class TokenFlowConfig(Settings):
         None, description="Fall back to FCFS (the paper's step 2: earliest arrivals first, later readers pause for "
                           "them) when the readers' rates together exceed this fraction of the measured decode "
                           "capacity. None (the default): no fallback; past capacity a reader gives its slot to "
-                          "one run dry only once its own next tokens count for less, and newcomers still get "
-                          "their first tokens.")
+                          "one run dry only once its own next tokens count for less, and a newcomer's first "
+                          "token goes ahead of every reader with something left to read.")
     andes_window_s: Positive = Field(2.0, description="Andes: look-ahead window (s).")
     andes_running_bonus: NonNegative = Field(1.5, description="Andes: bonus for already-running requests.")
     andes_kv_trigger: Fraction = Field(0.9, description="Andes: the KV usage at which it starts to act.")

@@ -37,11 +37,14 @@ Steps, as in the paper:
     token may take its place, a paused reader's resume may not) until it
     has decoded enough that what the swap costs the batch (step 5) stays
     within the share of the engine swaps may take: half its spare capacity,
-    the readers' need against what the batch that fits in KV decodes
-    (`swap_share`). As the need nears capacity, readers run longer between
-    swaps. At capacity, where that share is 0, a reader keeps its slot
-    against readers at their resume level while its next interval counts
-    for as much as theirs would, less the swap's cost. A reader at
+    the readers' need (newcomers' included) against what the batch that
+    fits in KV decodes (`swap_share`). As the need nears capacity, readers
+    run longer between swaps. At capacity, where that share is 0, a reader
+    keeps its slot against readers at their resume level while its next
+    interval counts for as much as theirs would, less the swap's cost; and
+    there someone's reader waits whatever is chosen, so a newcomer, whose
+    reader has nothing yet, must run as a reader with an empty buffer,
+    ahead of every reader with something left to read. A reader at
     its resume level may still take a guarded reader's place while the
     swaps so made this interval cost within that share of what the engine
     decodes in an interval (it would stall otherwise). A
@@ -199,7 +202,9 @@ class Pool:
 
     waiting: np.ndarray  # rows of the waiting requests, in the order given
     active: np.ndarray  # rows of the running and paused, in the order given
-    required: float  # the active readers' rates, summed
+    # Every reader's rate, summed: a waiting newcomer's reader reads as
+    # soon as it starts, so a burst's need counts before it is admitted.
+    required: float
     n_running: int
     blocks: int  # KV blocks of all requests, summed
     active_blocks: int  # KV blocks of the running and paused requests, summed
@@ -213,14 +218,15 @@ class Pool:
 
 def survey(reqs: RequestColumns, rate_cap: float = math.inf) -> Pool:
     """Split and count the requests (it runs over every live request each
-    interval that has something waiting or paused). A reader needs at most
+    interval that has something waiting or paused). Every reader counts in
+    the need, a waiting newcomer's too. A reader needs at most
     `rate_cap` tokens/s (what one running request gets): one that states
     more is served at that speed whatever it states."""
     waiting = reqs.phase == WAITING
     active = np.flatnonzero(~waiting)
     blocks = int(reqs.blocks.sum())
     waiting_blocks = int(reqs.blocks[waiting].sum())
-    return Pool(np.flatnonzero(waiting), active, _sum(np.minimum(reqs.rate[active], rate_cap)),
+    return Pool(np.flatnonzero(waiting), active, _sum(np.minimum(reqs.rate, rate_cap)),
                 int(np.count_nonzero(reqs.phase == RUNNING)), blocks, blocks - waiting_blocks, waiting_blocks,
                 int((reqs.max_tokens - reqs.num_output).sum()))
 
@@ -282,8 +288,9 @@ def swap_share(required: float, capacity: float | None) -> float:
     the engine delivers stays above what its readers need, with room for
     the estimates' error. At or past capacity the share is 0: a reader
     keeps its slot against readers run dry while its next tokens count for
-    as much as theirs would, less the swap's cost (`TokenFlowPolicy.keys`);
-    newcomers still get their first tokens."""
+    as much as theirs would, less the swap's cost, and a newcomer's first
+    token goes ahead of every reader with something left to read
+    (`TokenFlowPolicy.keys`)."""
     if not capacity:
         return DEFAULT_SWAP_SHARE
     spare = 1.0 - required / capacity
@@ -563,6 +570,13 @@ class TokenFlowPolicy:
         tier[resume] = MUST_RESUME
         must = keep | resume
         value[must] = (b / rate)[must]
+        if share == 0.0:
+            # At capacity someone's reader waits whatever is chosen, and a
+            # newcomer's waits already: it holds nothing to read. It ranks
+            # as a reader with an empty buffer that must run, after a
+            # running reader run dry (no swap) and ahead of every other.
+            first = (phase == WAITING) & ~cols.reading
+            tier[first], value[first] = KEEP_RUNNING, 0.0
         return Keys(tier, value, bonus * (tier == GUARDED))
 
     def rank_key(self, r: RequestView, eng: EngineView, share: float = DEFAULT_SWAP_SHARE,
