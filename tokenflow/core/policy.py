@@ -482,7 +482,9 @@ class TokenFlowPolicy:
         MUST_RESUME valued by buffer seconds (step 4), GUARDED, BY_PRIORITY
         and SENT_AHEAD by -U (step 5), OUTLASTS by the seconds its reader
         reads on past the work in hand, negated; ascending value ranks first.
-        Each guarded request's swap cost (tokens) comes with it.
+        At capacity (`share` 0) a newcomer is KEEP_RUNNING at 0 s: a reader
+        with nothing to read. Each guarded request's swap cost (tokens)
+        comes with it.
 
         Once the work in hand is known (`work_end` > 0: the seconds every
         live request's tokens left take at the engine's capacity,
