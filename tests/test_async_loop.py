@@ -412,3 +412,21 @@ def test_request_table_reuses_rows_and_grows():
     assert table.rate[rows].tolist() == [14.0, 10.0, 15.0]
     assert table.max_tokens[rows].tolist() == [104, 100, 105] and table.num_prompt[rows].tolist() == [24, 20, 25]
     assert np.array_equal(table.arrival_time[rows], [4.0, 0.0, 5.0])
+
+
+def test_past_capacity_first_tokens_come_sooner_and_more_tokens_count():
+    """128 readers at once on 64 slots of vLLM's real scheduler, needing
+    1.4x what a full batch decodes (the fake clock's capacity is exact,
+    as on a GPU): the issue's 1.4x targets on the fake clock, the same
+    figures every run. TokenFlow serves the last first tokens in under a
+    quarter of stock's wait (stock's second half waits for the first to
+    finish: newcomers go ahead of readers with something to read), half
+    as many again of the tokens it sends land while their readers need
+    them, and it decodes at least 0.95x stock's tokens/s."""
+    from tests.vllm_loop import effective_burst
+
+    rows = {r["scheduler"]: r for r in effective_burst(1.4)}
+    stock, tf = rows["stock"], rows["tokenflow"]
+    assert tf["ttft_p99_s"] < 0.25 * stock["ttft_p99_s"], rows
+    assert tf["effective_per_s"] > 1.5 * stock["effective_per_s"], rows
+    assert tf["tokens_per_s"] > 0.95 * stock["tokens_per_s"], rows
