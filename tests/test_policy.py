@@ -332,6 +332,7 @@ def test_decision_invariants(pop, name, overload_factor):
         budget = eng.total_blocks - math.ceil(cfg.kv_headroom * eng.total_blocks)
         if len(pinned) + len(first) + len(guarded) <= eng.max_num_seqs and need <= budget:
             assert {r.req_id for r in pinned} <= set(d.run), "a reader about to run dry was paused"
+            assert {r.req_id for r in first} <= set(d.admit), "a newcomer waited past capacity"
 
 
 def test_decision_time_is_small_at_400():
