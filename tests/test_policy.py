@@ -361,6 +361,7 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         load = swap = 1.0 / eng.prefill_tps if eng.prefill_tps else 0.0
     rate, b, n, step = r.rate, r.buffer_tokens, r.num_tokens, 1.0 / step_rate
     bonus, tier = 0.0, BY_PRIORITY
+    useful = reference_worth(b, speed_dt, rate * cfg.dt, r.max_tokens)  # U's first term
     if r.phase is Phase.RUNNING:
         if not r.num_output:
             return KEEP_RUNNING, b / rate
@@ -380,7 +381,6 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         resume_level = rate * cfg.mu * (n * load + step + cfg.dt)
         if b < resume_level + rate * (cfg.dt + n * swap + step):
             return KEEP_RUNNING, b / rate
-        useful = reference_worth(b, speed_dt, min(rate * cfg.dt, speed_dt), r.max_tokens)
         if useful > 0 and (useful >= speed_dt - bonus if share == 0 else b < resume_level + bonus / share):
             tier = GUARDED
     elif share == 0 and r.phase is Phase.WAITING and not r.reading:
@@ -389,7 +389,6 @@ def reference_key(cfg, r, eng, share=0.5, work_end=0.0):
         back = step if r.kv_resident else n * load + step
         if b / rate < cfg.mu * (back + cfg.dt):
             return MUST_RESUME, b / rate
-    useful = reference_worth(b, speed_dt, min(rate * cfg.dt, speed_dt), r.max_tokens)
     # once the work in hand is known, a reader above its resume level takes
     # only the room newcomers and readers about to run dry leave: first the
     # readers who read on past the end of that work, longest first, then

@@ -543,7 +543,7 @@ class TokenFlowPolicy:
         # little: docs/BENCHMARKS.md, "U weighs the next tokens as the
         # metric does".)
         full = lv.step_rate * dt  # what a slot decodes in an interval
-        useful = interval_worth(b, full, np.minimum(rate * dt, full), cols.max_tokens)
+        useful = interval_worth(b, full, rate * dt, cols.max_tokens)  # a faster reader's level does not climb
         # Guarded from paused readers until it has decoded enough since its
         # resume that this swap's cost stays within the share of the engine
         # swaps may take (the reader decodes about `bonus / share` tokens
