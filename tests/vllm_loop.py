@@ -146,6 +146,8 @@ class MirrorExecutor:
         out = self.runner.execute(scheduler_output)
         # The GPU runner returns None when sampling follows (sample_tokens).
         result = None if scheduler_output.total_num_scheduled_tokens else out
+        if result is not None:  # nothing scheduled: an idle round of the loop
+            self.step_cost(0, 0)
         self._sampled = (out, self.runner.last_shape)
         return _StepFuture(result) if non_block else result
 
@@ -189,8 +191,16 @@ class StepCost:
     decode_s: float = 0.0002
     prefill_s: float = 0.00002
     start_s: float = 0.0  # per request the runner adds to its batch
+    # A step with nothing scheduled: the engine's busy loop goes round (on
+    # a GPU too) while requests are parked; time passes, no token comes.
+    idle_s: float = 0.001
+    idle_steps: int = 0
 
     def __call__(self, decode: int, prefill: int, added: int = 0) -> None:
+        if not decode + prefill:
+            self.clock.t += self.idle_s
+            self.idle_steps += 1
+            return
         self.clock.t += self.base_s + self.decode_s * decode + self.prefill_s * prefill + self.start_s * added
 
 
@@ -437,11 +447,14 @@ def burst_throughput(requests: int = 64, max_tokens: int = 400, num_blocks: int 
     return rows
 
 
+MIX = ((1, 0.5), (2, 0.3), (4, 0.2))  # effective_burst's readers: (rate in units of r, share of the readers)
+
+
 def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 512, slots: int = 64,
-                    host_tier: bool = True, tokenflow: dict | None = None) -> list[dict]:
+                    host_tier: bool = True, tokenflow: dict | None = None, mix: tuple = MIX) -> list[dict]:
     """Effective throughput of a burst on the fake clock, stock beside
     TokenFlow and Andes: `requests` readers at once, two per slot, reading
-    at r, 2r and 4r tokens/s (half, 3 and 2 in ten of them) with r set so
+    at r, 2r and 4r tokens/s (half, 3 and 2 in ten of them; `mix`) with r set so
     that together they need `load` of what a full batch decodes (64 slots
     at 4 ms + 0.2 ms a token: about 3,800 tokens/s, 60 a stream). Each
     token's time is the fake clock's at the step that made it, and its
@@ -456,7 +469,6 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     from tokenflow.core.buffer import ReaderBuffer
     from tokenflow.engine import scheduler as sched_mod
 
-    mix = ((1, 0.5), (2, 0.3), (4, 0.2))  # (rate in units of r, share of the readers)
     full_rate = slots / (StepCost.base_s + StepCost.decode_s * slots)
     base = load * full_rate / (requests * sum(m * w for m, w in mix))
     snapshot = sched_mod.TokenFlowMixin.snapshot
