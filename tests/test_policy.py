@@ -316,6 +316,7 @@ def test_decision_invariants(pop, name, overload_factor):
     blocks = sum(by_id[i].blocks for i in on_device)
     assert blocks <= eng.total_blocks or len(on_device) == 1
     assert not any(not by_id[i].kv_resident for i in d.pause_hold), "cannot hold KV it does not have"
+    assert set(d.standby) <= set(d.pause_hold), "only a held request comes back without a decision"
     if d.fallback_fcfs:  # in arrival order
         arrivals = [by_id[i].arrival_time for i in d.order]
         assert arrivals == sorted(arrivals)
@@ -502,8 +503,9 @@ def test_room_beside_the_guard_is_one_pack_of_the_plain_loop(pop, share, budget)
 
 
 def check_follows_rank(policy, reqs, eng):
-    """The decision keeps the rank's order, and of the paused ones left
-    out, those that give their KV up have the larger buffers."""
+    """The decision keeps the rank's order (the standby too), and of the
+    paused ones left out, those that give their KV up have the larger
+    buffers."""
     d = policy.decide(reqs, eng)
     if d is None or d.fallback_fcfs:
         return
@@ -514,6 +516,8 @@ def check_follows_rank(policy, reqs, eng):
     candidates = [r for r in reqs if r.phase is not Phase.WAITING] + newcomers
     order = ranked(policy, candidates, eng, d.swap_share, d.swap_budget, d.work_end_s)
     assert d.order == [i for i in order if i in chosen]
+    # Slots that free before the next decision go to the held, in rank order.
+    assert d.standby == [i for i in order if i in set(d.pause_hold)]
     by_id = {r.req_id: r for r in reqs}
     released = [by_id[i].buffer_s for i in d.pause_release if by_id[i].kv_resident]
     held = [by_id[i].buffer_s for i in d.pause_hold]

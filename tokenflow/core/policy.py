@@ -155,6 +155,12 @@ class Decision:
     # at the measured speeds, prefill beats the transfer. (The others load
     # whatever the host holds: vLLM's connector does it unasked.)
     recompute: list[str] = field(default_factory=list)
+    # Of pause_hold, those ranked, in rank order: a slot that frees before
+    # the next decision (a request finished) goes to the first of them not
+    # yet back. They hold their KV, so running them costs no reload, and
+    # the batch does not shrink while they wait (an engine whose batch all
+    # finished sat idle until the next decision).
+    standby: list[str] = field(default_factory=list)
     fallback_fcfs: bool = False
     # The share of the engine's decode time that swaps may take this
     # interval: half its spare capacity (see `swap_share`). 0: none.
@@ -335,8 +341,8 @@ class TokenFlowPolicy:
                    self.fits_now(cols.blocks[by_arrival], pool.n_running, eng))
         # Sorts are stable: equal keys keep the order of the candidates.
         candidates = np.concatenate((pool.active, by_arrival[:room]))
-        chosen = self.pack(cols, self.rank(cols, candidates, eng, share, budget, work_end), eng)
-        d = self.to_decision(cols, pool, chosen, by_arrival[room:], eng)
+        ordered = self.rank(cols, candidates, eng, share, budget, work_end)
+        d = self.to_decision(cols, pool, ordered, self.pack(cols, ordered, eng), by_arrival[room:], eng)
         d.swap_share, d.swap_budget, d.work_end_s = share, budget, work_end
         return d
 
@@ -351,7 +357,7 @@ class TokenFlowPolicy:
         the chosen do not need it. Waiting ones left out stay in vLLM's
         queue, which admits them in arrival order as room frees."""
         by_arrival = np.argsort(cols.arrival_time, kind="stable")
-        d = self.to_decision(cols, pool, self.pack(cols, by_arrival, eng), by_arrival[:0], eng)
+        d = self.to_decision(cols, pool, by_arrival, self.pack(cols, by_arrival, eng), by_arrival[:0], eng)
         d.fallback_fcfs, d.swap_share = True, 0.0
         return d
 
@@ -634,8 +640,10 @@ class TokenFlowPolicy:
                         break
         return ordered[taken]
 
-    def to_decision(self, cols: RequestColumns, pool: Pool, chosen: np.ndarray, deferred: np.ndarray,
-                    eng: EngineView) -> Decision:
+    def to_decision(self, cols: RequestColumns, pool: Pool, ordered: np.ndarray, chosen: np.ndarray,
+                    deferred: np.ndarray, eng: EngineView) -> Decision:
+        """`ordered`: the candidates in rank order; `chosen`: those of them
+        that run."""
         ids = cols.ids
         d = Decision(defer=_pick(ids, deferred))
         waiting = cols.phase == WAITING
@@ -664,6 +672,9 @@ class TokenFlowPolicy:
         release = ~resident | (eng.free_blocks + np.cumsum(frees) - frees < need)
         d.pause_release = _pick(ids, losers[release])
         d.pause_hold = _pick(ids, losers[~release])
+        holds = np.zeros(len(cols), dtype=bool)
+        holds[losers[~release]] = True
+        d.standby = _pick(ids, ordered[holds[ordered]])
         return d
 
     def recomputes(self, cols: RequestColumns, rows: np.ndarray, eng: EngineView) -> np.ndarray:

@@ -7,7 +7,9 @@ Enable with engine args
 
 Every `dt` seconds the adapter snapshots the requests, asks the policy, and
 applies its answer by moving requests between vLLM's queues and its own
-parking lots; between decisions vLLM batches as usual. A pause either keeps
+parking lots; between decisions vLLM batches as usual, and a slot that a
+finished request frees goes to the held request the decision ranked next
+(an engine left with nothing to run decides at once). A pause either keeps
 the request's KV blocks (it just leaves `running`) or releases them (vLLM's
 own preemption; on resume vLLM re-admits it, reloading KV from the offload
 connector or recomputing). Parked requests still count as unfinished and
@@ -99,6 +101,10 @@ class TokenFlowMixin:
         self._last_output_at: float | None = None
         # Resumes decided while a step of the request was still in flight.
         self._resume_next: list[str] = []
+        # The last decision's standby (Decision.standby), and how many
+        # running requests have finished since it: the slots they freed.
+        self._standby: list[str] = []
+        self._freed = 0
         # (requests seen, wall seconds) of each recent decision, the
         # snapshot, the policy and the apply together.
         self.reschedule_seconds: deque[tuple[int, float]] = deque(maxlen=4096)
@@ -148,9 +154,11 @@ class TokenFlowMixin:
         now = self.clock()
         if self._resume_next:
             self._resume(self._resume_next)
-        if self.policy is not None and now >= self._next_decision:
+        if self.policy is not None and (now >= self._next_decision or self._idle_while_parked()):
             self._next_decision = now + self.tf_config.dt
             self._reschedule(now)
+        elif self._freed and self._standby:
+            self._fill_freed_slots()
         self._scheduled_at.append(now)
         out = super().schedule(*args, **kwargs)
         if self._computed_at_release:
@@ -203,6 +211,8 @@ class TokenFlowMixin:
                     reader.on_tokens(now, len(o.new_token_ids))
                 if o.finish_reason is not None:
                     self._forget(o.request_id)
+                    if self._standby:  # it ran this step: its slot and KV are free
+                        self._freed += 1
 
     def _count_recompute(self, out) -> None:
         """On a released request's first step back, what it had to recompute:
@@ -327,6 +337,7 @@ class TokenFlowMixin:
         self.tf_stats.decision_seconds += time.perf_counter() - t1
         if self._trace is not None:
             self._trace.record(now, cols, eng, decision, self.policy)
+        self._standby, self._freed = decision.standby if decision is not None else [], 0
         if decision is not None:
             self.tf_stats.decisions += 1
             self.tf_stats.fallbacks += decision.fallback_fcfs
@@ -388,6 +399,34 @@ class TokenFlowMixin:
         for req in self.deferred.values():
             self.waiting.add_request(req)
         self.deferred.clear()
+
+    def _idle_while_parked(self) -> bool:
+        """Nothing runs, yet parked requests wait: the batch finished before
+        the next decision was due (newcomers may be queued behind the KV
+        the held keep), so decide now rather than idle until then."""
+        return not self.running and bool(self.held or self.released)
+
+    def _fill_freed_slots(self) -> None:
+        """Slots freed since the last decision by requests that finished
+        go to the decision's standby, in its order, once vLLM's queue has
+        had its turn: a held request keeps its KV, and a finished one freed
+        at least what the next interval's growth asks."""
+        room = min(self._freed, self.max_num_running_reqs - len(self.running) - len(self.waiting))
+        self._freed = 0  # what the standby does not take, vLLM's queue does
+        standby, self._standby = self._standby, []
+        for i, req_id in enumerate(standby):
+            if room <= 0:
+                self._standby.extend(standby[i:])
+                return
+            req = self.held.get(req_id)
+            if req is None:
+                continue  # resumed, released or finished since
+            if self._in_flight(req):
+                self._standby.append(req_id)  # its last step's output is not in yet
+                continue
+            self.running.append(self.held.pop(req_id))  # at the tail: the first vLLM preempts
+            self.tf_stats.resumes += 1
+            room -= 1
 
     def _pausable(self, req: Request) -> bool:
         """Running, and past its prompt (a prefill chunk may be in flight
