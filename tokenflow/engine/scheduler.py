@@ -408,11 +408,12 @@ class TokenFlowMixin:
 
     def _fill_freed_slots(self) -> None:
         """Slots freed since the last decision by requests that finished
-        go to the decision's standby, in its order, once vLLM's queue has
-        had its turn: a held request keeps its KV, and a finished one freed
-        at least what the next interval's growth asks."""
-        room = min(self._freed, self.max_num_running_reqs - len(self.running) - len(self.waiting))
-        self._freed = 0  # what the standby does not take, vLLM's queue does
+        go to the decision's standby, in its order, while vLLM's queue is
+        empty (what it holds, the decision put first: it takes the freed
+        slots and KV). A held request keeps its KV, and a finished one
+        freed at least what the next interval's growth asks."""
+        room = 0 if self.waiting else min(self._freed, self.max_num_running_reqs - len(self.running))
+        self._freed = 0
         standby, self._standby = self._standby, []
         for i, req_id in enumerate(standby):
             if room <= 0:
