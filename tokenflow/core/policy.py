@@ -155,11 +155,10 @@ class Decision:
     # at the measured speeds, prefill beats the transfer. (The others load
     # whatever the host holds: vLLM's connector does it unasked.)
     recompute: list[str] = field(default_factory=list)
-    # Of pause_hold, those ranked, in rank order: a slot that frees before
-    # the next decision (a request finished) goes to the first of them not
-    # yet back. They hold their KV, so running them costs no reload, and
-    # the batch does not shrink while they wait (an engine whose batch all
-    # finished sat idle until the next decision).
+    # pause_hold in rank order: a slot that frees before the next decision
+    # (a request finished) goes to the first of them not yet back. They
+    # hold their KV, so running them costs no reload, and the batch does
+    # not shrink while they wait.
     standby: list[str] = field(default_factory=list)
     fallback_fcfs: bool = False
     # The share of the engine's decode time that swaps may take this
