@@ -669,10 +669,11 @@ class TokenFlowPolicy:
         # A resident one is released while what is free before it falls short.
         frees = cols.blocks[losers] * resident
         release = ~resident | (eng.free_blocks + np.cumsum(frees) - frees < need)
+        held = losers[~release]
         d.pause_release = _pick(ids, losers[release])
-        d.pause_hold = _pick(ids, losers[~release])
+        d.pause_hold = _pick(ids, held)
         holds = np.zeros(len(cols), dtype=bool)
-        holds[losers[~release]] = True
+        holds[held] = True
         d.standby = _pick(ids, ordered[holds[ordered]])
         return d
 

@@ -414,20 +414,20 @@ class TokenFlowMixin:
         freed at least what the next interval's growth asks."""
         room = 0 if self.waiting else min(self._freed, self.max_num_running_reqs - len(self.running))
         self._freed = 0
-        standby, self._standby = self._standby, []
-        for i, req_id in enumerate(standby):
-            if room <= 0:
-                self._standby.extend(standby[i:])
-                return
+        if room <= 0:
+            return
+        left = []
+        for req_id in self._standby:
             req = self.held.get(req_id)
             if req is None:
                 continue  # resumed, released or finished since
-            if self._in_flight(req):
-                self._standby.append(req_id)  # its last step's output is not in yet
-                continue
-            self.running.append(self.held.pop(req_id))  # at the tail: the first vLLM preempts
-            self.tf_stats.resumes += 1
-            room -= 1
+            if room and not self._in_flight(req):  # in flight: its last step's output is not in yet
+                self.running.append(self.held.pop(req_id))  # at the tail: the first vLLM preempts
+                self.tf_stats.resumes += 1
+                room -= 1
+            else:
+                left.append(req_id)
+        self._standby = left
 
     def _pausable(self, req: Request) -> bool:
         """Running, and past its prompt (a prefill chunk may be in flight
