@@ -131,6 +131,26 @@ def test_past_capacity_newcomers_still_get_first_tokens_by_default():
     assert d.admit == ["new"] and len(d.run) == 1
 
 
+def test_before_a_decode_step_is_measured_a_burst_is_not_taken_for_past_capacity():
+    """An engine's first steps carry prefill: 4.5 steps/s, far below what
+    its batch decodes once the prompts are in. Until a decode-only step
+    has been seen, or decode steps fitted, the capacity is unknown, so the
+    readers that have just begun keep their slots and newcomers take the
+    free ones (read as capacity, 32 slots x 4.5 = 144 tokens/s against the
+    480 needed would hold every reader for a newcomer)."""
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    readers = [RequestView(f"r{i}", Phase.RUNNING, 0.0, 10.0, 3.0, 3, 400, 43, 3, True) for i in range(16)]
+    newcomers = [RequestView(f"n{i}", Phase.WAITING, 1.0 + i, 10.0, 0.0, 0, 400, 40, 3) for i in range(32)]
+    d = policy.decide(readers + newcomers, EngineView(16, 1000, 950, 32, step_rate=4.5, running=16))
+    assert d is not None and d.swap_share > 0.0, d
+    assert sorted(d.run) == sorted(r.req_id for r in readers) and not d.pause_hold and not d.pause_release, d
+    assert d.admit == [f"n{i}" for i in range(16)], d
+    # Once decode steps are measured that slow, the same burst is past capacity.
+    for measured in ({"decode_tps": 144.0}, {"step_cost": (0.2, 0.0)}):
+        eng = EngineView(16, 1000, 950, 32, step_rate=4.5, running=16, **measured)
+        assert policy.decide(readers + newcomers, eng).swap_share == 0.0, measured
+
+
 def test_at_capacity_a_newcomer_s_first_token_goes_ahead_of_readers_with_something_to_read():
     """Two readers run with a few tokens in hand, below their pause level,
     and a newcomer waits. While the three need less than the engine

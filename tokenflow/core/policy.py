@@ -273,7 +273,12 @@ def fitting_capacity(pool: Pool, eng: EngineView, kv_headroom: float) -> float |
     as fit at once (sequence slots, or KV blocks at their mean footprint
     plus a block of growth), at the measured step cost of a batch that
     size. Long answers fill KV long before the slots run out, and then the
-    best decode rate seen (short contexts, every slot busy) overstates it."""
+    best decode rate seen (short contexts, every slot busy) overstates it.
+    Without a fit (a batch that never changes size cannot tell a step's
+    fixed cost from its per-token cost), the measured steps/s; but None
+    (unknown) while every step seen carried prefill: an engine's first
+    steps understate what its batch decodes several times over, and would
+    make a light burst look past capacity."""
     if not pool.n_active:
         return None
     usable = eng.total_blocks - headroom_blocks(kv_headroom, eng.total_blocks)
@@ -282,7 +287,7 @@ def fitting_capacity(pool: Pool, eng: EngineView, kv_headroom: float) -> float |
     if eng.step_cost is not None:
         base, per_token = eng.step_cost
         return k / (base + per_token * k)
-    return k * eng.step_rate if eng.step_rate else None
+    return k * eng.step_rate if eng.step_rate and eng.decode_tps else None
 
 
 def swap_share(required: float, capacity: float | None) -> float:
