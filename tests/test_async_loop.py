@@ -484,3 +484,39 @@ def test_slots_freed_between_decisions_go_to_held_readers_and_outputs_equal(asyn
     cost = loop.core.model_executor.step_cost
     assert cost.idle_steps * cost.idle_s < 0.01 * loop.clock.t, cost
     finished_clean(loop)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_released_requests_reload_from_the_fake_host_tier_and_outputs_equal(stock, async_scheduling):
+    """With a host tier in the loop (tests/fake_host_tier.py), a request
+    TokenFlow released gets its full blocks back from the host's copy and
+    vLLM recomputes only its tail, as with the offloading connector on a
+    GPU; every client still gets stock's tokens."""
+    from tests.vllm_loop import BLOCK
+
+    sched_cls = TF_ASYNC if async_scheduling else TF_SYNC
+    loop = run_burst(make_loop(sched_cls, {**FAST}, async_scheduling=async_scheduling, host_tier=True), BURST)
+    st = loop.scheduler.tf_stats
+    assert st.resumed_after_release > 0 and loop.scheduler.connector.tokens_loaded > 0
+    assert st.tokens_recomputed <= st.resumed_after_release * BLOCK  # tails only
+    assert loop.tokens == stock.tokens
+    finished_clean(loop)
+
+
+def test_a_wrong_load_from_the_fake_host_tier_is_caught(stock, monkeypatch):
+    """The tier's loads write the host's copy into the request's new
+    blocks; one that restores a position from the wrong slot changes the
+    tokens the client gets."""
+    from tests.vllm_loop import MirrorRunner
+
+    load = MirrorRunner._load
+
+    def shifted(self, rid, start, n):
+        load(self, rid, start, n)
+        pos, bs = start + n - 1, self.block_size
+        self.kv[self.reqs[rid].blocks[pos // bs]][pos % bs] = self.host[rid][pos - 1]
+
+    monkeypatch.setattr(MirrorRunner, "_load", shifted)
+    loop = run_burst(make_loop(TF_SYNC, {**FAST}, async_scheduling=False, host_tier=True), BURST)
+    assert loop.scheduler.connector.tokens_loaded > 0
+    assert loop.tokens != stock.tokens

@@ -15,7 +15,10 @@ executor is a stand-in, `MirrorRunner`:
   and the next token is a pure function of the context *read back from
   those blocks*. A request that reads KV it does not own, misses a token or
   holds one twice gets a different continuation, so token-for-token
-  equality with the stock scheduler is a real check.
+  equality with the stock scheduler is a real check;
+- with `make_loop(host_tier=True)` the scheduler has a host KV tier
+  (tests/fake_host_tier.py): a released request's full blocks come back
+  from the runner's host copy of them and only its tail is recomputed.
 
 Run `python -m tests.vllm_loop` for the burst table of stock, TokenFlow and
 Andes schedulers (pauses and TTFT in steps); `--decision-time` and
@@ -57,12 +60,15 @@ class MirrorRunner:
         self.steps = 0
         self.last_shape = (0, 0, 0)  # decode tokens, prefill tokens, requests added to the batch
         self._added = 0
+        self.tier = None  # tests.fake_host_tier.FakeHostTier, the scheduler's connector, when the loop has one
+        self.host: dict[str, list[int | None]] = {}  # request id -> its full blocks' KV, copied to the host
 
     def execute(self, so):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         for rid in so.finished_req_ids:
             self.reqs.pop(rid, None)
+            self.host.pop(rid, None)
             self.batch.discard(rid)
         cached = so.scheduled_cached_reqs
         # Left out of this step, or resumed after preemption: out of the batch.
@@ -76,6 +82,8 @@ class MirrorRunner:
             self.batch.add(new.req_id)
         for i, rid in enumerate(cached.req_ids):
             self._update_cached(rid, i, cached)
+        for rid, (start, n) in getattr(so.kv_connector_metadata, "loads", {}).items():
+            self._load(rid, start, n)
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.steps += 1
@@ -120,6 +128,8 @@ class MirrorRunner:
         for pos in range(start, end):
             block = self.kv.setdefault(st.blocks[pos // bs], [None] * bs)
             block[pos % bs] = st.tokens[pos]
+        if self.tier is not None:
+            self._write_through(rid, end)
         if end < len(st.tokens):
             return []  # a prefill chunk: no token sampled
         full, rest = divmod(end, bs)
@@ -129,6 +139,21 @@ class MirrorRunner:
         token = 10 + hash((end, tuple(ctx))) % VOCAB
         st.tokens.append(token)
         return [token]
+
+
+    def _write_through(self, rid: str, computed: int) -> None:
+        """Copy the request's newly full blocks, as read from the KV, to the host."""
+        st, bs, host = self.reqs[rid], self.block_size, self.host.setdefault(rid, [])
+        for pos in range(len(host), computed // bs * bs):
+            host.append(self.kv[st.blocks[pos // bs]][pos % bs])
+        self.tier.on_host[rid] = len(host)
+
+    def _load(self, rid: str, start: int, n: int) -> None:
+        """Restore positions [start, start + n) from the host into the
+        blocks the scheduler gave the request."""
+        st, bs, host = self.reqs[rid], self.block_size, self.host[rid]
+        for pos in range(start, start + n):
+            self.kv.setdefault(st.blocks[pos // bs], [None] * bs)[pos % bs] = host[pos]
 
 
 class MirrorExecutor:
@@ -270,8 +295,12 @@ class Loop:
 
 def make_loop(scheduler_cls=None, tokenflow: dict | None = None, *, async_scheduling: bool = True,
               num_blocks: int = 200, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
-              block_size: int = BLOCK, max_model_len: int = 1024, prefix_caching: bool = True) -> Loop:
-    """An EngineCore as vLLM builds it, minus the model executor."""
+              block_size: int = BLOCK, max_model_len: int = 1024, prefix_caching: bool = True,
+              host_tier: bool = False) -> Loop:
+    """An EngineCore as vLLM builds it, minus the model executor. With
+    `host_tier`, a host KV tier as vLLM's scheduler sees one
+    (tests/fake_host_tier.py): a released request gets its full blocks
+    back without recomputing them."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -296,6 +325,12 @@ def make_loop(scheduler_cls=None, tokenflow: dict | None = None, *, async_schedu
     config.scheduler_config.async_scheduling = async_scheduling
     if scheduler_cls is None:
         config.scheduler_config.scheduler_cls = None
+    if host_tier:
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        config.kv_transfer_config = KVTransferConfig(kv_connector="FakeHostTier", kv_role="kv_both",
+                                                     kv_connector_module_path="tests.fake_host_tier")
+        config.scheduler_config.disable_hybrid_kv_cache_manager = True  # one KV group here
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32)
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
@@ -308,6 +343,7 @@ def make_loop(scheduler_cls=None, tokenflow: dict | None = None, *, async_schedu
     if hasattr(scheduler, "clock"):
         scheduler.clock = clock
     runner = MirrorRunner(block_size, async_scheduling)
+    runner.tier = scheduler.connector if host_tier else None
 
     core = EngineCore.__new__(EngineCore)  # vLLM's step functions, our executor
     core.vllm_config = config
@@ -460,9 +496,12 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
     token's time is the fake clock's at the step that made it, and its
     weight is the effective-throughput weight of its reader's buffer then
     (tokenflow.core.buffer); each reader's stall after its first token and
-    its Andes QoE come from the same times. The fake runner has no host KV tier; with
-    `host_tier` the policy is told of one that reloads at the fake prefill
-    speed (what a recompute costs here anyway), as the served app has one.
+    its Andes QoE come from the same times. With `host_tier` every
+    scheduler's engine has a host KV tier (tests/fake_host_tier.py): a
+    request released or preempted gets its full blocks back at no cost to
+    the batch and recomputes only its tail, as with the offloading
+    connector on a GPU; the policy is told of the tier as reloading at the
+    fake prefill speed (what it prices a slot's wait for a reload at).
     `tokenflow`: settings over the defaults for TokenFlow and Andes. The
     same figures every run, so policies can be told apart from this VM's
     noise."""
@@ -486,7 +525,8 @@ def effective_burst(load: float = 0.5, requests: int = 128, max_tokens: int = 51
         for name, cls, tf in (("stock", None, None), ("tokenflow", TF_SYNC, {**settings, "policy": "tokenflow"}),
                               ("andes", TF_SYNC, {**settings, "policy": "andes"})):
             loop = make_loop(cls, tf, async_scheduling=False, num_blocks=slots * (max_tokens + 64) // BLOCK * 2,
-                             max_num_seqs=slots, max_num_batched_tokens=4096, max_model_len=2048)
+                             max_num_seqs=slots, max_num_batched_tokens=4096, max_model_len=2048,
+                             host_tier=host_tier)
             rng = random.Random(0)
             rates = {}
             for i in range(requests):
