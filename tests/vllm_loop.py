@@ -140,7 +140,6 @@ class MirrorRunner:
         st.tokens.append(token)
         return [token]
 
-
     def _write_through(self, rid: str, computed: int) -> None:
         """Copy the request's newly full blocks, as read from the KV, to the host."""
         st, bs, host = self.reqs[rid], self.block_size, self.host.setdefault(rid, [])
